@@ -1,0 +1,111 @@
+"""The `keras-geeps` command line: shard, launch, stats, stop, build-ops."""
+
+import argparse
+import json
+import sys
+
+from keras_geeps import shard as shard_module
+
+
+def _cmd_shard(args):
+    return shard_module.run_from_args(args)
+
+
+def _cmd_launch(args):
+    from keras_geeps.launch import launch  # noqa: PLC0415
+    command = args.command
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("keras-geeps launch: give the worker command after --",
+              file=sys.stderr)
+        return 2
+    return launch(command, num_workers=args.workers, num_shards=args.shards)
+
+
+def _admin_client(addresses, timeout):
+    from keras_geeps.client.connection import Future, IOThread  # noqa
+    from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
+    spec = ClusterSpec(addresses.split(","))
+    return spec, IOThread(spec.shards, lambda *a: None, name="geeps-admin"), \
+        Future
+
+
+def _ask_all(addresses, msg_type, timeout):
+    from keras_geeps.errors import GeePSTimeoutError  # noqa: PLC0415
+    from keras_geeps.protocol import Message  # noqa: PLC0415
+    spec, io, future_type = _admin_client(addresses, timeout)
+    try:
+        replies = []
+        for shard, address in enumerate(spec.shards):
+            future = future_type()
+            io.send(shard, Message(msg_type, seq=1), future)
+            if not future.event.wait(timeout):
+                raise GeePSTimeoutError(f"shard {shard} ({address}) did not "
+                                        f"answer within {timeout} s")
+            if future.error:
+                raise future.error
+            replies.append(future.message)
+        return replies
+    finally:
+        io.close()
+
+
+def _cmd_stats(args):
+    from keras_geeps.protocol import MsgType  # noqa: PLC0415
+    for reply in _ask_all(args.shards, MsgType.STATS, args.timeout):
+        print(json.dumps(json.loads(reply.meta["stats"]), indent=1))
+    return 0
+
+
+def _cmd_stop(args):
+    from keras_geeps.protocol import MsgType  # noqa: PLC0415
+    _ask_all(args.shards, MsgType.STOP, args.timeout)
+    return 0
+
+
+def _cmd_build_ops(args):
+    from keras_geeps import _build  # noqa: PLC0415
+    return _build.main(args.rest)
+
+
+def build_parser():
+    """The `keras-geeps` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="keras-geeps",
+        description="GeePS-style parameter server for Keras and TensorFlow.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    shard = sub.add_parser("shard", help="run one shard server")
+    shard_module.build_parser(shard)
+    shard.set_defaults(func=_cmd_shard)
+
+    launch = sub.add_parser(
+        "launch", help="run S shards and N workers on this machine",
+        usage="keras-geeps launch [--workers N] [--shards S] -- COMMAND ...")
+    launch.add_argument("--workers", type=int, default=2)
+    launch.add_argument("--shards", type=int, default=2)
+    launch.add_argument("command", nargs=argparse.REMAINDER)
+    launch.set_defaults(func=_cmd_launch)
+
+    for name, func, text in (("stats", _cmd_stats, "print shard statistics"),
+                             ("stop", _cmd_stop, "stop shards")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--shards", required=True,
+                         help="comma-separated shard addresses")
+        cmd.add_argument("--timeout", type=float, default=10.0)
+        cmd.set_defaults(func=func)
+
+    build = sub.add_parser("build-ops", help="build the custom TF ops now")
+    build.add_argument("rest", nargs=argparse.REMAINDER)
+    build.set_defaults(func=_cmd_build_ops)
+    return parser
+
+
+def main(argv=None):
+    """Entry point of the `keras-geeps` console command."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,560 @@
+"""The GeePS worker client: tables, reads with slack, buffered updates, clocks.
+
+One `GeePSClient` per worker process. It keeps a cached copy of every table
+(filled by the shards' pushes), buffers this worker's additive updates for
+the current clock, and on `clock()` sends them and the clock to the shards.
+A background I/O thread owns the sockets; the calling thread blocks only in
+`read` (until the cache is as fresh as the slack requires) and in table
+creation, and every such wait is bounded by `timeout`.
+
+Consistency: a read at clock c with slack s returns data that reflects
+every worker's updates of all clocks up to c - s - 1. Slack 0 is BSP; a
+large slack approximates asynchronous training.
+"""
+
+import itertools
+import json
+import os
+import threading
+import time
+
+import numpy as np
+
+from keras_geeps import protocol
+from keras_geeps.client.access import (AccessHandle, AccessPlan,
+                                       VirtualIteration)
+from keras_geeps.client.connection import Future, IOThread
+from keras_geeps.cluster import ClusterSpec, RowPartitioner
+from keras_geeps.errors import GeePSError, GeePSTimeoutError
+from keras_geeps.protocol import Message, MsgType
+
+
+class Table:
+    """A worker's view of one parameter table (rows of fixed width).
+
+    Attributes:
+        id: the table id (order of creation, the same on every worker).
+        name: the table's name.
+        rows, width, dtype: its shape and element type.
+        parts: [(shard, row_start, row_end)], its placement on the shards.
+        clock: this worker's current clock of the table.
+    """
+
+    def __init__(self, table_id, name, rows, width, dtype, parts,
+                 read_my_writes):
+        self.id = table_id
+        self.name = name
+        self.rows = rows
+        self.width = width
+        self.dtype = dtype
+        self.parts = parts
+        self.part_of = {(shard, start): i
+                        for i, (shard, start, _) in enumerate(parts)}
+        # One array per shard part: a push lands in `staging` and is swapped
+        # in whole, so a read never sees a half-received push and its data
+        # age is exact.
+        self.part_rows = [np.zeros((end - start, width), dtype)
+                          for _, start, end in parts]
+        self.staging = [np.empty_like(p) for p in self.part_rows]
+        self.ages = np.full(len(parts), -1, np.int64)
+        self.last_read_age = -1     # data age of the last `read`
+        self.last_read_ages = []    # ... of each part it touched
+        self.incoming = [[-1, 0] for _ in parts]  # [age, rows arrived]
+        self.clock = 0
+        self.update_buffer = None   # this clock's summed updates
+        self.update_owned = False   # True: we allocated update_buffer
+        self.read_my_writes = read_my_writes
+        self.own = {}               # clock -> update rows (read-my-writes)
+        self.lock = threading.Lock()
+        self.all_rows = None        # the handle for whole-table access
+
+    @property
+    def nbytes(self):
+        return self.rows * self.width * self.dtype.itemsize
+
+    @property
+    def data_age(self):
+        """Clocks reflected by the cached rows (-1: none arrived yet)."""
+        return int(self.ages.min()) if len(self.ages) else 0
+
+    def __repr__(self):
+        return (f"Table({self.id}, {self.name!r}, {self.rows}x{self.width} "
+                f"{self.dtype.name}, parts={self.parts})")
+
+
+class GeePSClient:
+    """A worker's connection to the keras_geeps shards.
+
+    Args:
+        cluster: a `ClusterSpec`; defaults to `ClusterSpec.from_env()`
+            (keras_geeps' launcher variables, else `TF_CONFIG`).
+        slack: staleness bound; 0 = BSP (default), s > 0 = SSP.
+        timeout: seconds any wait may take before `GeePSTimeoutError`.
+            Defaults to 120.
+        read_my_writes: if True, a worker's reads include its own updates at
+            once, replayed on top of the shards' data. Defaults to False.
+        initializer: the worker whose initial values create tables.
+            Defaults to 0.
+        chunk_bytes: size of the row chunks sent. Defaults to 2 MiB.
+
+    Example:
+
+    ```python
+    client = GeePSClient(ClusterSpec(["tcp://127.0.0.1:5555"]))
+    table = client.create_table("w", rows=4, width=8, init=np.ones((4, 8)))
+    client.update(table, np.full((4, 8), 0.5, np.float32))
+    client.clock()
+    print(client.read(table))   # 1.5 everywhere, once all workers clocked
+    client.close()
+    ```
+    """
+
+    def __init__(self, cluster=None, slack=0, timeout=120.0,
+                 read_my_writes=False, initializer=0,
+                 chunk_bytes=protocol.DEFAULT_CHUNK_BYTES):
+        self.cluster = cluster or ClusterSpec.from_env()
+        if slack < 0:
+            raise ValueError(f"slack must be >= 0, got {slack}")
+        self.slack = int(slack)
+        self.timeout = float(timeout)
+        self.read_my_writes = read_my_writes
+        self.initializer = initializer
+        self.chunk_bytes = chunk_bytes
+        self.worker_id = self.cluster.worker_id
+        self.num_workers = self.cluster.num_workers
+        self._tables = []
+        self._by_name = {}
+        self._partitioner = RowPartitioner(self.cluster.num_shards)
+        self._cond = threading.Condition()
+        self._seq_lock = threading.Lock()
+        self._seqs = [itertools.count(1) for _ in self.cluster.shards]
+        self.wait_seconds = 0.0
+        self.access_plan = AccessPlan()
+        self._io = IOThread(self.cluster.shards, self._on_rows,
+                            name=f"geeps-io-w{self.worker_id}")
+        incarnation = int.from_bytes(os.urandom(6), "little")
+        try:
+            self._request_all([
+                (shard, Message(MsgType.HELLO, meta={
+                    "num_workers": self.num_workers,
+                    "num_shards": self.cluster.num_shards,
+                    "incarnation": incarnation}))
+                for shard in range(self.cluster.num_shards)], "HELLO")
+        except BaseException:
+            self._io.close()
+            raise
+
+    # --------------------------------------------------------- plumbing
+    def _next_seq(self, shard):
+        with self._seq_lock:
+            return next(self._seqs[shard])
+
+    def _send(self, shard, message, future=None):
+        message.worker = self.worker_id
+        message.seq = self._next_seq(shard)
+        self._io.send(shard, message, future)
+
+    def _request_all(self, requests, what):
+        """Sends [(shard, message)] and waits for every reply (bounded)."""
+        futures = []
+        for shard, message in requests:
+            future = Future()
+            self._send(shard, message, future)
+            futures.append((shard, future))
+        deadline = time.monotonic() + self.timeout
+        replies = []
+        for shard, future in futures:
+            if not future.event.wait(max(0.0, deadline - time.monotonic())):
+                raise GeePSTimeoutError(
+                    f"worker {self.worker_id}: shard {shard} "
+                    f"({self.cluster.shards[shard]}) did not answer {what} "
+                    f"within {self.timeout:.1f} s: is it running?")
+            if future.error is not None:
+                raise future.error
+            replies.append(future.message)
+        return replies
+
+    def _raise_async_errors(self):
+        if self._io.errors:
+            raise self._io.errors.popleft()
+
+    # ----------------------------------------------------------- tables
+    def create_table(self, name, rows, width, dtype="float32", init=None):
+        """Creates (worker 0) or declares (other workers) a table.
+
+        Every worker must create the same tables in the same order: that is
+        how they agree on table ids and on the rows each shard holds (the
+        shards check it). The initializer's `init` gives the initial rows;
+        other workers' reads wait until those have arrived.
+
+        Args:
+            name: the table's name (unique).
+            rows: number of rows.
+            width: elements per row.
+            dtype: element type. Defaults to "float32".
+            init: initial values, shape (rows, width) or any shape with
+                rows * width elements; zeros when None. Used on the
+                initializer only.
+
+        Returns:
+            The `Table`.
+        """
+        self._raise_async_errors()
+        if name in self._by_name:
+            raise ValueError(f"table {name!r} exists already")
+        if rows < 0 or width < 1:
+            raise ValueError(f"table {name!r}: rows must be >= 0 and width "
+                             f">= 1, got {rows} x {width}")
+        dtype = protocol.numpy_dtype(protocol.dtype_name(dtype))
+        parts = self._partitioner.place(rows, width * dtype.itemsize)
+        table = Table(len(self._tables), name, rows, width, dtype, parts,
+                      self.read_my_writes)
+        creator = self.worker_id == self.initializer
+        requests = []
+        for shard, start, end in parts:
+            meta = {"name": name, "rows": rows, "width": width,
+                    "dtype": dtype.name, "row_start": start, "row_end": end}
+            if not creator:
+                requests.append((shard, Message(MsgType.DECLARE, table.id,
+                                                meta=meta)))
+        if creator:
+            if init is not None:
+                values = np.asarray(init).astype(dtype, copy=False)
+                if values.size != rows * width:
+                    raise ValueError(f"table {name!r}: init has {values.size}"
+                                     f" elements, expected {rows * width}")
+                values = values.reshape(rows, width)
+                for part, (_, start, end) in zip(table.part_rows, parts):
+                    part[...] = values[start:end]
+            table.ages[:] = 0
+            for part, (shard, start, end) in enumerate(parts):
+                for c0, c1 in protocol.row_chunks(end - start, width,
+                                                  dtype.itemsize,
+                                                  self.chunk_bytes):
+                    meta = {"name": name, "rows": rows, "width": width,
+                            "dtype": dtype.name, "row_start": start,
+                            "row_end": end, "chunk_row": c0}
+                    arrays = ([table.part_rows[part][c0:c1]]
+                              if c1 > c0 else [])
+                    requests.append((shard, Message(MsgType.CREATE, table.id,
+                                                    arrays=arrays, meta=meta)))
+        table.all_rows = AccessHandle(-1, "read", table)
+        # Registered before the requests: a push may follow the ACK at once.
+        self._tables.append(table)
+        self._by_name[name] = table
+        try:
+            self._request_all(requests, f"creation of table {name!r}")
+        except BaseException:
+            self._tables.pop()
+            del self._by_name[name]
+            raise
+        return table
+
+    def table(self, name):
+        """Returns the table called `name`."""
+        return self._by_name[name]
+
+    @property
+    def tables(self):
+        return list(self._tables)
+
+    def virtual_iteration(self):
+        """Records one step's accesses; returns the recorder.
+
+        Example:
+
+        ```python
+        with client.virtual_iteration() as vi:
+            h_read = vi.read(table)
+            h_update = vi.update(table)
+        for step in range(steps):
+            params = client.read(h_read)
+            client.update(h_update, compute_delta(params))
+            client.clock()
+        ```
+        """
+        self.access_plan = AccessPlan()
+        return VirtualIteration(self.access_plan)
+
+    # ------------------------------------------------------ the I/O side
+    def _on_rows(self, shard, message):
+        """Runs in the I/O thread for every PUSH / ROWS chunk."""
+        if not 0 <= message.table < len(self._tables):
+            self._io.errors.append(GeePSError(
+                f"shard {shard} pushed unknown table {message.table}"))
+            return
+        table = self._tables[message.table]
+        part = table.part_of.get((shard, message.meta.get("row_start")))
+        rows = message.arrays[0]
+        if part is None or rows.dtype != table.dtype or (
+                rows.ndim != 2 or rows.shape[1] != table.width):
+            self._io.errors.append(GeePSError(
+                f"shard {shard} pushed rows that do not fit table "
+                f"{table.name!r}: {message!r}"))
+            return
+        _, start, end = table.parts[part]
+        begin = message.meta.get("chunk_row", 0)
+        if begin + rows.shape[0] > end - start:
+            self._io.errors.append(GeePSError(
+                f"shard {shard} pushed rows beyond its part of table "
+                f"{table.name!r}"))
+            return
+        incoming = table.incoming[part]
+        if incoming[0] != message.clk:
+            incoming[0], incoming[1] = message.clk, 0
+        table.staging[part][begin:begin + rows.shape[0]] = rows
+        incoming[1] += rows.shape[0]
+        if incoming[1] < end - start:
+            return
+        age = message.clk
+        with table.lock:
+            if age > table.ages[part]:
+                fresh = table.staging[part]
+                table.staging[part] = table.part_rows[part]
+                table.part_rows[part] = fresh
+                if table.read_my_writes:  # replay own, uncovered updates
+                    for clk, delta in list(table.own.items()):
+                        if clk >= age:
+                            fresh += delta[start:end]
+                    if table.update_buffer is not None:  # this clock's
+                        fresh += table.update_buffer[start:end]
+                table.ages[part] = age
+            floor = table.ages.min()
+            for clk in [c for c in table.own if c < floor]:
+                del table.own[clk]
+        with self._cond:
+            self._cond.notify_all()
+
+    # ----------------------------------------------------- reads, updates
+    def _handle_for(self, what, kind):
+        if isinstance(what, AccessHandle):
+            return what
+        if isinstance(what, str):
+            what = self._by_name[what]
+        if isinstance(what, Table):
+            return what.all_rows
+        raise TypeError(f"expected a Table, a table name or an AccessHandle,"
+                        f" got {type(what).__name__}")
+
+    def wait_fresh(self, what, clock=None):
+        """Blocks until `what` is as fresh as the slack requires.
+
+        Args:
+            what: a `Table`, its name, or an `AccessHandle`.
+            clock: the clock being read at; defaults to the table's current
+                clock on this worker.
+
+        Returns:
+            The data age of the rows read (clocks reflected).
+
+        Raises:
+            GeePSTimeoutError: naming the shard that does not answer or the
+                workers that are behind, after `timeout` seconds.
+        """
+        handle = self._handle_for(what, "read")
+        table = handle.table
+        clock = table.clock if clock is None else clock
+        required = max(0, clock - self.slack)
+        parts = [p for p, _, _ in handle.parts]
+        started = time.monotonic()
+        deadline = started + self.timeout
+        with self._cond:
+            while True:
+                self._raise_async_errors()
+                ages = table.ages[parts] if parts else table.ages
+                if not len(ages) or ages.min() >= required:
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(min(remaining, 0.5))
+        waited = time.monotonic() - started
+        self.wait_seconds += waited
+        ages = table.ages[parts] if parts else table.ages
+        if len(ages) and ages.min() < required:
+            raise self._timeout_error(table, parts, required)
+        return int(ages.min()) if len(ages) else 0
+
+    def read(self, what, out=None, clock=None):
+        """Returns the rows of a table (or an access), fresh per the slack.
+
+        Args:
+            what: a `Table`, its name, or an `AccessHandle` from
+                `virtual_iteration()` (its pre-built index is used).
+            out: optional array to copy into (shape (rows, width)).
+            clock: the clock read at; defaults to the table's current clock.
+
+        Returns:
+            A (rows, width) numpy array (a copy: later pushes do not change
+            it).
+        """
+        handle = self._handle_for(what, "read")
+        table = handle.table
+        self.wait_fresh(handle, clock)
+        count = table.rows if handle.rows is None else len(handle.rows)
+        if out is None:
+            out = np.empty((count, table.width), table.dtype)
+        elif out.shape != (count, table.width):
+            raise ValueError(f"out has shape {out.shape}, the read gives "
+                             f"{(count, table.width)}")
+        with table.lock:
+            for part, buffer_rows, local_rows in handle.parts:
+                out[buffer_rows] = table.part_rows[part][local_rows]
+            ages = [table.ages[part] for part, _, _ in handle.parts]
+        table.last_read_ages = [int(a) for a in ages]
+        table.last_read_age = int(min(ages)) if ages else table.data_age
+        return out
+
+    def update(self, what, delta, copy=True):
+        """Adds `delta` to this clock's update of a table (or an access).
+
+        Updates are additive and buffered until `clock()`, which sends them.
+
+        Args:
+            what: a `Table`, its name, or an `AccessHandle`.
+            delta: the rows to add, shape (rows accessed, width) or any shape
+                of as many elements.
+            copy: if False and this is the table's first whole-table update
+                of the clock, the client keeps `delta` itself and sends it
+                without copying; the caller must not change it afterwards.
+                Defaults to True.
+        """
+        self._raise_async_errors()
+        handle = self._handle_for(what, "update")
+        table = handle.table
+        count = table.rows if handle.rows is None else len(handle.rows)
+        delta = np.asarray(delta)
+        if delta.size != count * table.width:
+            raise ValueError(f"update of table {table.name!r} has "
+                             f"{delta.size} elements, expected "
+                             f"{count * table.width}")
+        delta = np.ascontiguousarray(delta.reshape(count, table.width),
+                                     dtype=table.dtype)
+        with table.lock:  # the I/O thread replays own updates under it
+            self._accumulate(table, handle, delta, copy)
+            if table.read_my_writes:
+                for part, buffer_rows, local_rows in handle.parts:
+                    table.part_rows[part][local_rows] += delta[buffer_rows]
+
+    @staticmethod
+    def _accumulate(table, handle, delta, copy):
+        if table.update_buffer is None:
+            if handle.rows is None and not copy:
+                table.update_buffer, table.update_owned = delta, False
+            elif handle.rows is None:
+                table.update_buffer = delta.copy()
+                table.update_owned = True
+            else:
+                table.update_buffer = np.zeros((table.rows, table.width),
+                                               table.dtype)
+                table.update_owned = True
+                table.update_buffer[handle.rows] = delta
+            return
+        if not table.update_owned:
+            table.update_buffer = table.update_buffer.copy()
+            table.update_owned = True
+        if handle.rows is None:
+            np.add(table.update_buffer, delta, out=table.update_buffer)
+        else:
+            table.update_buffer[handle.rows] += delta
+
+    def clock(self, tables=None):
+        """Finishes this worker's current clock: sends updates, then clocks.
+
+        Args:
+            tables: the tables (or names) to clock; defaults to all. GeePS
+                clocks tables separately so each layer's update can leave
+                as soon as it is ready.
+        """
+        self._raise_async_errors()
+        if tables is None:
+            tables = self._tables
+        for table in tables:
+            if isinstance(table, str):
+                table = self._by_name[table]
+            self._send_update(table)
+            for shard, _, _ in table.parts:
+                self._send(shard, Message(MsgType.CLOCK, table.id,
+                                          clk=table.clock))
+            table.clock += 1
+
+    def _send_update(self, table):
+        with table.lock:
+            buffer = table.update_buffer
+            if buffer is None:
+                return
+            table.update_buffer = None
+            if table.read_my_writes:
+                table.own[table.clock] = buffer
+        for shard, start, end in table.parts:
+            for c0, c1 in protocol.row_chunks(end - start, table.width,
+                                              table.dtype.itemsize,
+                                              self.chunk_bytes):
+                if c1 == c0:
+                    continue
+                self._send(shard, Message(
+                    MsgType.UPDATE, table.id, clk=table.clock,
+                    arrays=[buffer[start + c0:start + c1]],
+                    meta={"chunk_row": c0}))
+
+    # ------------------------------------------------- stats, diagnosis
+    def shard_stats(self, timeout=None):
+        """Returns each shard's statistics (a list of dicts, by shard id)."""
+        replies = self._request_all(
+            [(s, Message(MsgType.STATS))
+             for s in range(self.cluster.num_shards)], "STATS")
+        return [json.loads(r.meta["stats"]) for r in replies]
+
+    def stats(self):
+        """Returns this worker's figures: bytes moved, waits, data ages."""
+        return {"bytes_sent": self._io.bytes_out,
+                "bytes_received": self._io.bytes_in,
+                "wait_seconds": self.wait_seconds,
+                "data_age": min((t.data_age for t in self._tables),
+                                default=0),
+                "clock": max((t.clock for t in self._tables), default=0)}
+
+    def _timeout_error(self, table, parts, required):
+        lines = []
+        for shard in sorted({table.parts[p][0] for p in parts
+                             if table.ages[p] < required}):
+            address = self.cluster.shards[shard]
+            future = Future()
+            self._send(shard, Message(MsgType.STATS), future)
+            if not future.event.wait(min(5.0, self.timeout)) or future.error:
+                lines.append(f"shard {shard} ({address}) does not answer: it "
+                             f"is dead or unreachable")
+                continue
+            info = json.loads(future.message.meta["stats"])
+            shard_table = info["tables"].get(str(table.id))
+            if shard_table is None or not shard_table["ready"]:
+                lines.append(f"shard {shard} ({address}) has no initial "
+                             f"values for table {table.name!r} yet (worker "
+                             f"{self.initializer} creates them)")
+                continue
+            behind = [w for w, c in enumerate(shard_table["vclock"])
+                      if c < required]
+            lines.append(f"shard {shard} ({address}): workers {behind} have "
+                         f"not finished clock {required - 1} (vector clock "
+                         f"{shard_table['vclock']})")
+        return GeePSTimeoutError(
+            f"worker {self.worker_id} waited {self.timeout:.1f} s to read "
+            f"table {table.name!r} at clock {table.clock} (slack "
+            f"{self.slack}, needs data age >= {required}, has "
+            f"{table.ages.tolist()}): " + "; ".join(lines))
+
+    def stop_shards(self):
+        """Asks every shard to shut down (bounded wait for their ACKs)."""
+        self._request_all([(s, Message(MsgType.STOP))
+                           for s in range(self.cluster.num_shards)], "STOP")
+
+    def close(self):
+        """Closes the connections; the client is unusable afterwards."""
+        self._io.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False

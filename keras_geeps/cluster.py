@@ -1,0 +1,144 @@
+"""Cluster specs and the row partitioning every worker computes alike.
+
+A job has S shards (the `ps` job of `TF_CONFIG`) and N workers (the `worker`
+job). Every worker computes the same mapping of table rows to shards from
+the same table declarations made in the same order, so no coordinator is
+needed; shards check that all workers agree.
+"""
+
+import json
+import os
+
+ENV_SHARDS = "KERAS_GEEPS_SHARDS"          # comma-separated shard addresses
+ENV_NUM_WORKERS = "KERAS_GEEPS_NUM_WORKERS"
+ENV_WORKER_ID = "KERAS_GEEPS_WORKER_ID"
+
+# Tables smaller than this are placed whole on one shard (splitting them
+# would only add messages); larger ones are split evenly over all shards.
+SPLIT_MIN_BYTES = 256 * 1024
+
+
+class ClusterSpec:
+    """Where the shards are, how many workers there are, and which one we are.
+
+    Args:
+        shards: list of shard addresses ("tcp://host:port" or "host:port").
+        num_workers: number of workers in the job.
+        worker_id: this worker's index in [0, num_workers).
+
+    Example:
+
+    >>> spec = ClusterSpec(["127.0.0.1:7000", "127.0.0.1:7001"], 2, 0)
+    >>> spec.shards
+    ['tcp://127.0.0.1:7000', 'tcp://127.0.0.1:7001']
+    """
+
+    def __init__(self, shards, num_workers=1, worker_id=0):
+        if not shards:
+            raise ValueError("a cluster needs at least one shard address")
+        self.shards = [_as_zmq_address(a) for a in shards]
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id {worker_id} is not in "
+                             f"[0, {num_workers})")
+        self.num_workers = int(num_workers)
+        self.worker_id = int(worker_id)
+
+    @property
+    def num_shards(self):
+        return len(self.shards)
+
+    def __repr__(self):
+        return (f"ClusterSpec(shards={self.shards}, num_workers="
+                f"{self.num_workers}, worker_id={self.worker_id})")
+
+    @classmethod
+    def from_tf_config(cls, tf_config=None):
+        """Builds the spec from `TF_CONFIG` (ps job = shards).
+
+        Args:
+            tf_config: the JSON text or dict; defaults to `$TF_CONFIG`.
+        """
+        if tf_config is None:
+            tf_config = os.environ.get("TF_CONFIG")
+            if not tf_config:
+                raise ValueError("TF_CONFIG is not set")
+        config = (json.loads(tf_config) if isinstance(tf_config, str)
+                  else tf_config)
+        try:
+            cluster = config["cluster"]
+            shards = cluster["ps"]
+            workers = cluster.get("worker", []) + cluster.get("chief", [])
+            task = config.get("task", {"type": "worker", "index": 0})
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"TF_CONFIG has no cluster.ps job: {exc}") \
+                from None
+        if task.get("type", "worker") == "chief":
+            worker_id = 0
+        else:
+            worker_id = int(task.get("index", 0)) + len(
+                cluster.get("chief", []))
+        return cls(shards, max(1, len(workers)), worker_id)
+
+    @classmethod
+    def from_env(cls):
+        """Builds the spec from keras_geeps' variables, else `TF_CONFIG`."""
+        shards = os.environ.get(ENV_SHARDS)
+        if shards:
+            return cls(shards.split(","),
+                       int(os.environ.get(ENV_NUM_WORKERS, "1")),
+                       int(os.environ.get(ENV_WORKER_ID, "0")))
+        return cls.from_tf_config()
+
+    def to_env(self):
+        """Returns the environment variables that describe this worker."""
+        return {ENV_SHARDS: ",".join(self.shards),
+                ENV_NUM_WORKERS: str(self.num_workers),
+                ENV_WORKER_ID: str(self.worker_id)}
+
+
+def _as_zmq_address(address):
+    return address if "://" in address else f"tcp://{address}"
+
+
+class RowPartitioner:
+    """Assigns each new table's rows to shards, balancing bytes.
+
+    A table of at least `split_min_bytes` (and at least one row per shard)
+    is split into S contiguous, near-equal row ranges, one per shard; a
+    smaller one goes whole to the shard holding the fewest bytes so far
+    (lowest index on ties). The result depends only on the sequence of
+    tables, so every worker that declares the same tables in the same order
+    computes the same placement.
+
+    Args:
+        num_shards: how many shards.
+        split_min_bytes: tables smaller than this are not split. Defaults
+            to 256 KiB.
+
+    Example:
+
+    >>> p = RowPartitioner(2)
+    >>> p.place(rows=1000, row_bytes=512)
+    [(0, 0, 500), (1, 500, 1000)]
+    """
+
+    def __init__(self, num_shards, split_min_bytes=SPLIT_MIN_BYTES):
+        self.num_shards = num_shards
+        self.split_min_bytes = split_min_bytes
+        self.shard_bytes = [0] * num_shards
+
+    def place(self, rows, row_bytes):
+        """Returns [(shard, row_start, row_end), ...] for a new table."""
+        if rows >= self.num_shards and rows * row_bytes >= self.split_min_bytes:
+            parts = []
+            for shard in range(self.num_shards):
+                start = rows * shard // self.num_shards
+                end = rows * (shard + 1) // self.num_shards
+                parts.append((shard, start, end))
+                self.shard_bytes[shard] += (end - start) * row_bytes
+            return parts
+        shard = min(range(self.num_shards), key=lambda s: self.shard_bytes[s])
+        self.shard_bytes[shard] += rows * row_bytes
+        return [(shard, 0, rows)]

@@ -1,0 +1,17 @@
+"""Exceptions raised to keras_geeps users."""
+
+
+class GeePSError(RuntimeError):
+    """Base class of keras_geeps runtime errors."""
+
+
+class GeePSTimeoutError(GeePSError, TimeoutError):
+    """A bounded wait ran out: a shard is dead or workers are behind.
+
+    The message names the shard(s) that did not answer, or the workers whose
+    clocks hold the others back.
+    """
+
+
+class GeePSServerError(GeePSError):
+    """A shard refused a request; the message is the shard's explanation."""

@@ -1,0 +1,263 @@
+"""Local clusters: shards and workers on this machine, for tests and demos.
+
+`LocalCluster` starts S shards (threads or subprocesses) on 127.0.0.1 with
+free ports. `launch` runs S shard processes and N copies of a worker
+command, each told its place through `TF_CONFIG` and keras_geeps'
+variables, streams their output with a prefix, and tears everything down,
+also when one of them fails (which it names, exiting non-zero).
+"""
+
+import json
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from keras_geeps.cluster import ClusterSpec
+from keras_geeps.errors import GeePSError
+
+_READY = re.compile(r"serving (tcp://\S+)")
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pump(stream, prefix, sink, lines=None):
+    """Copies a child's output lines to `sink` with a prefix (thread body)."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        if lines is not None:
+            lines.put(line)
+        if sink is not None:
+            sink.write(f"{prefix}{line}\n")
+            sink.flush()
+    stream.close()
+
+
+class ShardProcess:
+    """One shard run as `python -m keras_geeps.shard` in a child process.
+
+    Args:
+        shard_id, num_shards, num_workers: the shard's place in the job.
+        extra_args: more `keras-geeps shard` flags. Defaults to none.
+        output: where the shard's output lines go (prefixed), or None.
+        start_timeout: seconds to wait for the shard's address. Defaults
+            to 60.
+    """
+
+    def __init__(self, shard_id, num_shards, num_workers, extra_args=(),
+                 output=sys.stderr, start_timeout=60.0):
+        self.shard_id = shard_id
+        command = [sys.executable, "-u", "-m", "keras_geeps.shard",
+                   "--bind", "tcp://127.0.0.1:0", "--shard-id", str(shard_id),
+                   "--num-shards", str(num_shards),
+                   "--num-workers", str(num_workers), *extra_args]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL)
+        lines = queue.Queue()
+        self._pump = threading.Thread(
+            target=_pump, args=(self.process.stdout, f"[shard {shard_id}] ",
+                                output, lines), daemon=True)
+        self._pump.start()
+        deadline = time.monotonic() + start_timeout
+        self.address = None
+        while self.address is None:
+            remaining = deadline - time.monotonic()
+            try:
+                line = lines.get(timeout=max(0.01, min(remaining, 0.5)))
+            except queue.Empty:
+                if self.process.poll() is not None or remaining <= 0:
+                    self.kill()
+                    raise GeePSError(
+                        f"shard {shard_id} did not start (exit code "
+                        f"{self.process.returncode}, waited "
+                        f"{start_timeout:.0f} s)")
+                continue
+            match = _READY.search(line)
+            if match:
+                self.address = match.group(1)
+
+    def terminate(self, timeout=10.0):
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._pump.join(2.0)
+
+    def kill(self):
+        """SIGKILL (for failure tests)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+class LocalCluster:
+    """S shards on 127.0.0.1, as threads or subprocesses.
+
+    Args:
+        num_shards: how many shards. Defaults to 1.
+        num_workers: how many workers the shards expect. Defaults to 1.
+        processes: run shards as subprocesses (True) or threads (False).
+            Defaults to False.
+        settings: a `ShardSettings` for thread shards. Defaults to None.
+        output: where subprocess shards' output goes. Defaults to stderr.
+        shard_args: extra `keras-geeps shard` flags for subprocess shards.
+            Defaults to none.
+
+    Example:
+
+    ```python
+    with LocalCluster(num_shards=2, num_workers=1) as cluster:
+        client = cluster.client(worker_id=0)
+        ...
+    ```
+    """
+
+    def __init__(self, num_shards=1, num_workers=1, processes=False,
+                 settings=None, output=sys.stderr, shard_args=()):
+        self.num_shards = num_shards
+        self.num_workers = num_workers
+        self.processes = processes
+        self.shards = []
+        try:
+            for shard_id in range(num_shards):
+                if processes:
+                    self.shards.append(ShardProcess(
+                        shard_id, num_shards, num_workers, shard_args,
+                        output=output))
+                else:
+                    from keras_geeps.shard import ShardServer  # noqa
+                    self.shards.append(ShardServer(
+                        "tcp://127.0.0.1:0", shard_id, num_shards,
+                        num_workers, settings).start())
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def addresses(self):
+        return [shard.address for shard in self.shards]
+
+    def spec(self, worker_id=0):
+        """The `ClusterSpec` of worker `worker_id`."""
+        return ClusterSpec(self.addresses, self.num_workers, worker_id)
+
+    def client(self, worker_id=0, **kwargs):
+        """A `GeePSClient` for worker `worker_id` (kwargs passed on)."""
+        from keras_geeps.client import GeePSClient  # noqa: PLC0415
+        return GeePSClient(self.spec(worker_id), **kwargs)
+
+    def stop(self):
+        """Stops every shard."""
+        for shard in self.shards:
+            if self.processes:
+                shard.terminate()
+            else:
+                shard.stop()
+        self.shards = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+def worker_env(spec, base=None):
+    """The environment a worker process gets: TF_CONFIG and our variables."""
+    env = dict(os.environ if base is None else base)
+    tf_config = {
+        "cluster": {
+            "ps": [a.replace("tcp://", "") for a in spec.shards],
+            "worker": [f"127.0.0.1:{_free_port()}"
+                       for _ in range(spec.num_workers)],
+        },
+        "task": {"type": "worker", "index": spec.worker_id},
+    }
+    env["TF_CONFIG"] = json.dumps(tf_config)
+    env.update(spec.to_env())
+    return env
+
+
+def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
+           shard_args=(), poll_interval=0.1):
+    """Runs `command` on `num_workers` local workers against local shards.
+
+    Args:
+        command: the worker command line (a list), e.g.
+            ["python", "train.py"].
+        num_workers: how many worker processes. Defaults to 2.
+        num_shards: how many shard processes. Defaults to 2.
+        output: where prefixed output lines go. Defaults to stdout.
+        shard_args: extra `keras-geeps shard` flags. Defaults to none.
+
+    Returns:
+        0 when every worker exits 0; otherwise the first failing worker's
+        exit code (or 1), after stopping everything else.
+    """
+    cluster = LocalCluster(num_shards, num_workers, processes=True,
+                           output=output, shard_args=shard_args)
+    workers, pumps = [], []
+    failure = None
+    try:
+        for worker_id in range(num_workers):
+            process = subprocess.Popen(
+                command, env=worker_env(cluster.spec(worker_id)),
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True)
+            pump = threading.Thread(target=_pump, args=(
+                process.stdout, f"[worker {worker_id}] ", output), daemon=True)
+            pump.start()
+            workers.append(process)
+            pumps.append(pump)
+        while failure is None:
+            codes = [p.poll() for p in workers]
+            for worker_id, code in enumerate(codes):
+                if code not in (None, 0):
+                    failure = (f"worker {worker_id} (pid "
+                               f"{workers[worker_id].pid}) exited with code "
+                               f"{code}", code if code > 0 else 1)
+                    break
+            if failure is None:
+                for shard in cluster.shards:
+                    if shard.process.poll() is not None:
+                        failure = (f"shard {shard.shard_id} (pid "
+                                   f"{shard.process.pid}) died with code "
+                                   f"{shard.process.returncode}", 1)
+            if failure is None and all(code == 0 for code in codes):
+                break
+            time.sleep(poll_interval)
+    except KeyboardInterrupt:
+        failure = ("interrupted", 130)
+    finally:
+        for process in workers:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in workers:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        for pump in pumps:
+            pump.join(2.0)
+        cluster.stop()
+    if failure is not None:
+        output.write(f"keras-geeps launch: {failure[0]}; stopped the other "
+                     f"processes\n")
+        output.flush()
+        return failure[1]
+    return 0

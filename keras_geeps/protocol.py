@@ -1,0 +1,376 @@
+"""The keras_geeps wire format: message types, encoding, decoding, validation.
+
+Every message is a list of ZeroMQ frames::
+
+    [msgpack header, raw frame, raw frame, ...]
+
+(a shard's ROUTER socket sees one routing-identity frame in front). The
+header is a small msgpack map; arrays travel as raw frames, never pickled,
+and are described in the header by their dtype and shape so the receiver can
+check every frame length before it looks at a byte of data.
+
+This module owns the schema. The shard and the client import it and never
+build a header by hand. `decode` validates every field and every frame and
+raises `ProtocolError` (and nothing else) for anything malformed, truncated,
+of the wrong version or too large.
+"""
+
+import enum
+
+import msgpack
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+# Defaults for the limits a receiver enforces. A shard may lower or raise
+# them through its settings; they exist so that a hostile or broken peer
+# cannot make a process allocate without bound.
+MAX_HEADER_BYTES = 64 * 1024
+MAX_FRAMES = 4096
+MAX_MESSAGE_BYTES = 1 << 31
+MAX_DIM = 1 << 40
+MAX_META_ITEMS = 64
+
+# Row data is split into frames of about this many bytes: ZeroMQ streams
+# 1-4 MB frames far faster than one huge frame, and the receiver can
+# consume each chunk while the next is still on the wire.
+DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
+
+ALLOWED_DTYPES = (
+    "float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8",
+)
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the keras_geeps wire format."""
+
+
+class MsgType(enum.IntEnum):
+    """Every message type of the protocol.
+
+    Worker -> shard requests carry a per-sender sequence number; the shard
+    answers ACK (echoing it), a data reply, or ERROR.
+    """
+
+    HELLO = 1        # worker registers; meta: num_workers, num_shards
+    WELCOME = 2      # shard -> worker reply to HELLO; meta: shard settings
+    CREATE = 3       # create a table; worker 0 sends initial rows
+    DECLARE = 4      # subscribe to a table (created by another worker)
+    READ = 5         # explicit read; clk = minimum global clock required
+    ROWS = 6         # shard -> worker reply to READ; clk = data age
+    UPDATE = 7       # additive delta; clk = the worker's current clock
+    CLOCK = 8        # the worker finished clock `clk` of table `table`
+    PUSH = 9         # shard -> worker unsolicited fresh rows; clk = data age
+    ACK = 10         # shard -> worker: request `seq` done
+    ERROR = 11       # shard -> worker: request `seq` refused; meta: error
+    STATS = 12       # ask for statistics
+    STATS_REPLY = 13  # meta: statistics
+    STOP = 14        # ask the shard to shut down
+
+
+# Header keys and the Python types they must have. `meta` is a flat map of
+# scalars and short lists, whose allowed keys depend on the message type.
+_HEADER_FIELDS = {
+    "v": int,        # protocol version
+    "type": int,     # MsgType
+    "table": int,    # table id (-1 when not about a table)
+    "clk": int,      # clock (meaning depends on the type)
+    "worker": int,   # sender's worker id (-1 from a shard)
+    "seq": int,      # per-sender sequence number (request id)
+    "frames": list,  # [[dtype, [dim, ...]], ...] one entry per raw frame
+    "meta": dict,    # type-specific scalars
+}
+
+_META_SCHEMA = {
+    MsgType.HELLO: {"num_workers": int, "num_shards": int,
+                    "incarnation": int},
+    MsgType.WELCOME: {"shard_id": int, "num_shards": int, "num_workers": int,
+                      "max_message_bytes": int},
+    MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
+                     "row_start": int, "row_end": int, "chunk_row": int},
+    MsgType.DECLARE: {"name": str, "rows": int, "width": int, "dtype": str,
+                      "row_start": int, "row_end": int},
+    MsgType.READ: {},
+    MsgType.ROWS: {"row_start": int, "row_end": int, "chunk_row": int},
+    MsgType.UPDATE: {"chunk_row": int, "indexed": bool},
+    MsgType.CLOCK: {},
+    MsgType.PUSH: {"row_start": int, "row_end": int, "chunk_row": int},
+    MsgType.ACK: {},
+    MsgType.ERROR: {"error": str},
+    MsgType.STATS: {},
+    MsgType.STATS_REPLY: {"stats": str},  # JSON text
+    MsgType.STOP: {},
+}
+
+# How many raw frames each type may carry: (minimum, maximum).
+_FRAME_COUNTS = {
+    MsgType.CREATE: (0, MAX_FRAMES),
+    MsgType.ROWS: (1, MAX_FRAMES),
+    MsgType.UPDATE: (1, MAX_FRAMES),
+    MsgType.PUSH: (1, MAX_FRAMES),
+}
+
+_INT_MIN = -(1 << 62)
+_INT_MAX = 1 << 62
+
+
+def dtype_name(dtype):
+    """Returns the canonical wire name of a numpy (or ml_dtypes) dtype."""
+    name = np.dtype(dtype).name
+    if name not in ALLOWED_DTYPES:
+        raise ProtocolError(f"dtype {name!r} cannot travel; allowed: "
+                            f"{', '.join(ALLOWED_DTYPES)}")
+    return name
+
+
+def numpy_dtype(name):
+    """Returns the numpy dtype for a wire dtype name (bfloat16 via ml_dtypes)."""
+    if name not in ALLOWED_DTYPES:
+        raise ProtocolError(f"unknown dtype {name!r}; allowed: "
+                            f"{', '.join(ALLOWED_DTYPES)}")
+    if name == "bfloat16":
+        import ml_dtypes  # noqa: PLC0415 (ships with TensorFlow and JAX)
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+class Message:
+    """One decoded (or to-be-encoded) protocol message.
+
+    Args:
+        type: a `MsgType`.
+        table: table id, or -1. Defaults to -1.
+        clk: the clock this message is about. Defaults to 0.
+        worker: the sender's worker id, or -1 for a shard. Defaults to -1.
+        seq: the sender's sequence number. Defaults to 0.
+        arrays: numpy arrays sent as raw frames. Defaults to none.
+        meta: type-specific fields (see `_META_SCHEMA`). Defaults to none.
+
+    Example:
+
+    >>> m = Message(MsgType.CLOCK, table=3, clk=7, worker=1, seq=42)
+    >>> decode(encode(m)).clk
+    7
+    """
+
+    __slots__ = ("type", "table", "clk", "worker", "seq", "arrays", "meta")
+
+    def __init__(self, type, table=-1, clk=0, worker=-1, seq=0, arrays=(),
+                 meta=None):
+        self.type = MsgType(type)
+        self.table = table
+        self.clk = clk
+        self.worker = worker
+        self.seq = seq
+        self.arrays = list(arrays)
+        self.meta = dict(meta or {})
+
+    def __repr__(self):
+        shapes = [a.shape for a in self.arrays]
+        return (f"Message({self.type.name}, table={self.table}, "
+                f"clk={self.clk}, worker={self.worker}, seq={self.seq}, "
+                f"arrays={shapes}, meta={self.meta})")
+
+
+def encode(message):
+    """Encodes a `Message` into a list of frames for `send_multipart`.
+
+    The arrays are passed through as buffers (no copy); send them with
+    `copy=False` and do not modify them until ZeroMQ is done with them.
+
+    Args:
+        message: the `Message` to encode.
+
+    Returns:
+        A list `[header_bytes, buffer, buffer, ...]`.
+    """
+    _check_meta(message.type, message.meta)
+    frames_spec = []
+    buffers = []
+    for array in message.arrays:
+        if not isinstance(array, np.ndarray):
+            raise ProtocolError(f"array frames must be numpy arrays, got "
+                                f"{type(array).__name__}")
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        frames_spec.append([dtype_name(array.dtype), list(array.shape)])
+        buffers.append(array.reshape(-1).view(np.uint8) if array.size else
+                       b"")
+    header = {
+        "v": PROTOCOL_VERSION,
+        "type": int(message.type),
+        "table": int(message.table),
+        "clk": int(message.clk),
+        "worker": int(message.worker),
+        "seq": int(message.seq),
+        "frames": frames_spec,
+        "meta": message.meta,
+    }
+    return [msgpack.packb(header, use_bin_type=True)] + buffers
+
+
+def decode(frames, max_message_bytes=MAX_MESSAGE_BYTES):
+    """Decodes and validates a received message.
+
+    Args:
+        frames: the received frames (bytes, memoryviews or `zmq.Frame`s),
+            header first; the routing identity must already be removed.
+        max_message_bytes: refuse messages whose raw frames add up to more.
+            Defaults to `MAX_MESSAGE_BYTES` (2 GiB).
+
+    Returns:
+        A `Message` whose arrays are read-only numpy views of the frames.
+
+    Raises:
+        ProtocolError: naming what is wrong, for any malformed, truncated,
+            wrong-version or oversized message.
+    """
+    if not frames:
+        raise ProtocolError("empty message: no header frame")
+    raw_header = _frame_bytes(frames[0])
+    if len(raw_header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(raw_header)} bytes exceeds the "
+                            f"limit of {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(
+            raw_header, raw=False, strict_map_key=True, use_list=True,
+            max_str_len=MAX_HEADER_BYTES, max_bin_len=MAX_HEADER_BYTES,
+            max_array_len=MAX_FRAMES, max_map_len=MAX_META_ITEMS,
+            max_ext_len=0)
+    except Exception as exc:  # msgpack raises many unrelated types
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got "
+                            f"{type(header).__name__}")
+    if set(header) != set(_HEADER_FIELDS):
+        missing = sorted(set(_HEADER_FIELDS) - set(header))
+        extra = sorted(map(str, set(header) - set(_HEADER_FIELDS)))
+        raise ProtocolError(f"header fields wrong: missing {missing}, "
+                            f"unexpected {extra}")
+    for key, kind in _HEADER_FIELDS.items():
+        value = header[key]
+        if kind is int:
+            _check_int(key, value)
+        elif not isinstance(value, kind):
+            raise ProtocolError(f"header field {key!r} must be "
+                                f"{kind.__name__}, got {type(value).__name__}")
+    if header["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {header['v']} is not "
+                            f"supported (this side speaks "
+                            f"{PROTOCOL_VERSION})")
+    try:
+        msg_type = MsgType(header["type"])
+    except ValueError:
+        raise ProtocolError(f"unknown message type {header['type']}") from None
+    _check_meta(msg_type, header["meta"])
+
+    spec = header["frames"]
+    data_frames = frames[1:]
+    if len(spec) != len(data_frames):
+        raise ProtocolError(f"{msg_type.name}: header describes {len(spec)} "
+                            f"frames but {len(data_frames)} arrived")
+    low, high = _FRAME_COUNTS.get(msg_type, (0, 0))
+    if not low <= len(spec) <= high:
+        raise ProtocolError(f"{msg_type.name} carries {len(spec)} frames; "
+                            f"it takes {low} to {high}")
+    arrays = []
+    total = 0
+    for index, (entry, frame) in enumerate(zip(spec, data_frames)):
+        dtype, shape = _check_frame_spec(index, entry)
+        count = 1
+        for dim in shape:
+            count *= dim
+        expected = count * dtype.itemsize
+        total += expected
+        if total > max_message_bytes:
+            raise ProtocolError(f"message of more than {total} bytes exceeds "
+                                f"the limit of {max_message_bytes}")
+        buffer = _frame_buffer(frame)
+        if buffer.nbytes != expected:
+            raise ProtocolError(f"frame {index}: header says {dtype.name}"
+                                f"{list(shape)} = {expected} bytes, but "
+                                f"{buffer.nbytes} bytes arrived")
+        arrays.append(np.frombuffer(buffer, dtype=dtype).reshape(shape)
+                      if expected else np.zeros(shape, dtype))
+    return Message(msg_type, header["table"], header["clk"], header["worker"],
+                   header["seq"], arrays, header["meta"])
+
+
+def _check_int(key, value):
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ProtocolError(f"field {key!r} must be an integer, got "
+                            f"{type(value).__name__}")
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise ProtocolError(f"field {key!r} = {value} is out of range")
+
+
+def _check_meta(msg_type, meta):
+    schema = _META_SCHEMA[msg_type]
+    for key, value in meta.items():
+        if key not in schema:
+            raise ProtocolError(f"{msg_type.name}: unexpected meta field "
+                                f"{key!r}")
+        kind = schema[key]
+        if kind is int:
+            _check_int(key, value)
+        elif kind is bool:
+            if not isinstance(value, bool):
+                raise ProtocolError(f"{msg_type.name}: meta field {key!r} "
+                                    f"must be a bool")
+        elif not isinstance(value, kind):
+            raise ProtocolError(f"{msg_type.name}: meta field {key!r} must "
+                                f"be {kind.__name__}, got "
+                                f"{type(value).__name__}")
+
+
+def _check_frame_spec(index, entry):
+    if (not isinstance(entry, list) or len(entry) != 2
+            or not isinstance(entry[0], str) or not isinstance(entry[1], list)):
+        raise ProtocolError(f"frame {index}: spec must be [dtype, shape], got "
+                            f"{entry!r:.80}")
+    dtype = numpy_dtype(entry[0])
+    shape = entry[1]
+    if len(shape) > 8:
+        raise ProtocolError(f"frame {index}: rank {len(shape)} exceeds 8")
+    for dim in shape:
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise ProtocolError(f"frame {index}: shape {shape!r:.80} must "
+                                f"hold integers")
+        if not 0 <= dim <= MAX_DIM:
+            raise ProtocolError(f"frame {index}: dimension {dim} is out of "
+                                f"range")
+    return dtype, tuple(shape)
+
+
+def _frame_bytes(frame):
+    if isinstance(frame, bytes):
+        return frame
+    if hasattr(frame, "bytes"):  # zmq.Frame
+        return frame.bytes
+    return bytes(frame)
+
+
+def _frame_buffer(frame):
+    if hasattr(frame, "buffer"):  # zmq.Frame: zero-copy view
+        return memoryview(frame.buffer).cast("B")
+    return memoryview(frame).cast("B")
+
+
+def row_chunks(num_rows, width, itemsize, chunk_bytes=DEFAULT_CHUNK_BYTES):
+    """Splits `num_rows` rows into (start, end) ranges of about `chunk_bytes`.
+
+    Args:
+        num_rows: how many rows to split.
+        width: elements per row.
+        itemsize: bytes per element.
+        chunk_bytes: target bytes per chunk. Defaults to 2 MiB.
+
+    Returns:
+        A list of (start, end) row ranges covering [0, num_rows); one empty
+        range (0, 0) when num_rows is 0.
+    """
+    row_bytes = max(1, width * itemsize)
+    step = max(1, chunk_bytes // row_bytes)
+    if num_rows == 0:
+        return [(0, 0)]
+    return [(s, min(s + step, num_rows)) for s in range(0, num_rows, step)]

@@ -1,0 +1,691 @@
+"""One parameter-server shard: tables, vector clocks, update application.
+
+A shard owns, for every table, one contiguous range of its rows. Workers
+send additive updates tagged with their clock; the shard applies each
+exactly once (per-sender sequence numbers), keeps a vector clock per table,
+and when a table's global clock (the minimum over workers) advances it pushes
+the fresh rows to every subscribed worker, tagged with their data age.
+
+The shard keeps this invariant: a table's rows hold exactly the updates of
+the clocks before its global clock G. Updates of clock G and later (later
+ones are possible with SSP) are summed in per-clock buffers and folded in
+when G passes them, into a fresh buffer: published rows are never changed
+in place, so every push and read reply is sent without a copy and reflects
+exactly the clocks before its age.
+
+Run it as a process (`keras-geeps shard ...` / `python -m keras_geeps.shard`)
+or as a thread (`ShardServer(...).start()`, for tests and notebooks).
+"""
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import zmq
+
+from keras_geeps import protocol
+from keras_geeps.protocol import Message, MsgType, ProtocolError
+
+log = logging.getLogger("keras_geeps.shard")
+
+
+class ShardSettings:
+    """Limits and tuning of one shard.
+
+    Args:
+        max_message_bytes: largest message accepted. Defaults to 1 GiB.
+        max_tables: most tables the shard will hold. Defaults to 4096.
+        max_table_bytes: most bytes of rows (all tables) the shard will
+            hold, pending update buffers included. Defaults to 16 GiB.
+        max_pending_clocks: how far ahead of the global clock a worker's
+            update may be (bounds SSP buffers). Defaults to 64.
+        max_parked_reads: most reads waiting for freshness. Defaults to 4096.
+        chunk_bytes: size of the row chunks the shard sends. Defaults to
+            `protocol.DEFAULT_CHUNK_BYTES`.
+        poll_timeout_ms: poll loop turn, so stop requests and housekeeping
+            run even when idle. Defaults to 100.
+    """
+
+    def __init__(self, max_message_bytes=1 << 30, max_tables=4096,
+                 max_table_bytes=16 << 30, max_pending_clocks=64,
+                 max_parked_reads=4096,
+                 chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
+                 poll_timeout_ms=100):
+        self.max_message_bytes = max_message_bytes
+        self.max_tables = max_tables
+        self.max_table_bytes = max_table_bytes
+        self.max_pending_clocks = max_pending_clocks
+        self.max_parked_reads = max_parked_reads
+        self.chunk_bytes = chunk_bytes
+        self.poll_timeout_ms = poll_timeout_ms
+
+
+class RequestError(Exception):
+    """A well-formed request the shard refuses (answered with ERROR)."""
+
+
+class _Table:
+    """The rows of one table that this shard owns, and its clocks."""
+
+    def __init__(self, table_id, spec, num_workers):
+        self.id = table_id
+        self.spec = spec  # name, rows, width, dtype, row_start, row_end
+        self.dtype = protocol.numpy_dtype(spec["dtype"])
+        self.local_rows = spec["row_end"] - spec["row_start"]
+        self.width = spec["width"]
+        self.pool = _BufferPool((self.local_rows, self.width), self.dtype)
+        self.data = np.zeros((self.local_rows, self.width), self.dtype)
+        self.initialised = np.zeros(self.local_rows, bool)
+        self.ready = self.local_rows == 0
+        self.vclock = np.zeros(num_workers, np.int64)
+        self.global_clock = 0
+        self.pending = {}  # clock >= global_clock -> _Pending
+        self.subscribers = set()
+
+    @property
+    def nbytes(self):
+        return self.data.nbytes
+
+
+class _Pending:
+    """The summed updates of one clock; rows not yet written hold garbage."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+        self.written = np.zeros(buffer.shape[0], bool)
+
+    def add(self, start, rows):
+        """Adds `rows` at row `start` (copies where nothing was written)."""
+        end = start + rows.shape[0]
+        written = self.written[start:end]
+        target = self.buffer[start:end]
+        if written.all():
+            np.add(target, rows, out=target)
+        elif not written.any():
+            np.copyto(target, rows)
+        else:
+            target[~written] = 0
+            np.add(target, rows, out=target)
+        written[:] = True
+
+    def add_indexed(self, index, rows):
+        """Adds `rows` at row ids `index` (duplicates accumulate)."""
+        fresh = index[~self.written[index]]
+        self.buffer[fresh] = 0
+        self.written[fresh] = True
+        if index.size > 1 and np.all(index[1:] > index[:-1]):
+            self.buffer[index] += rows
+        else:
+            np.add.at(self.buffer, index, rows)
+
+
+class _BufferPool:
+    """Reuses row buffers once ZeroMQ has finished sending from them.
+
+    Fresh 100 MB allocations cost page faults on every clock; a buffer
+    handed to zero-copy sends is reusable once their trackers are done.
+    """
+
+    def __init__(self, shape, dtype, keep=3):
+        self.shape, self.dtype, self.keep = shape, dtype, keep
+        self.free = []  # (buffer, [trackers])
+
+    def get(self):
+        for i, (buffer, trackers) in enumerate(self.free):
+            if all(t.done for t in trackers):
+                del self.free[i]
+                return buffer
+        return np.empty(self.shape, self.dtype)
+
+    def put(self, buffer, trackers=()):
+        if len(self.free) < self.keep:
+            self.free.append((buffer, list(trackers)))
+
+
+class _SeqTracker:
+    """Which request sequence numbers of one worker have been handled."""
+
+    def __init__(self):
+        self.upto = 0          # every seq <= upto is done
+        self.above = set()     # done seqs > upto + 1 (out of order)
+
+    def seen(self, seq):
+        return seq <= self.upto or seq in self.above
+
+    def mark(self, seq):
+        if seq == self.upto + 1:
+            self.upto = seq
+            while self.upto + 1 in self.above:
+                self.upto += 1
+                self.above.discard(self.upto)
+        elif seq > self.upto:
+            self.above.add(seq)
+
+
+class ShardServer:
+    """A keras_geeps shard server.
+
+    Args:
+        bind: ZeroMQ address to bind, e.g. "tcp://127.0.0.1:0" (port 0
+            picks a free port; `address` then tells which).
+        shard_id: this shard's index in [0, num_shards).
+        num_shards: how many shards the job has.
+        num_workers: how many workers the job has.
+        settings: a `ShardSettings`. Defaults to `ShardSettings()`.
+
+    Example:
+
+    >>> server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1).start()
+    >>> server.address.startswith("tcp://127.0.0.1:")
+    True
+    >>> server.stop()
+    """
+
+    def __init__(self, bind, shard_id, num_shards, num_workers, settings=None):
+        if not 0 <= shard_id < num_shards:
+            raise ValueError(f"shard_id {shard_id} is not in "
+                             f"[0, {num_shards})")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.shard_id = shard_id
+        self.num_shards = num_shards
+        self.num_workers = num_workers
+        self.settings = settings or ShardSettings()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.bind(bind)
+        self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._tables = {}
+        self._identities = {}     # worker id -> routing identity
+        self._incarnations = {}   # worker id -> incarnation number
+        self._seqs = {}           # worker id -> _SeqTracker
+        self._parked = []         # (identity, Message) reads waiting
+        self._trackers = {}       # id(rows buffer) -> sends still using it
+        self._stop = threading.Event()
+        self._thread = None
+        self.stats = {"bytes_in": 0, "bytes_out": 0, "messages_in": 0,
+                      "updates_applied": 0, "duplicates": 0, "errors": 0,
+                      "pushes": 0}
+
+    # ----------------------------------------------------------- running
+    def start(self):
+        """Runs the serve loop in a daemon thread; returns self."""
+        self._thread = threading.Thread(
+            target=self.serve_forever, name=f"geeps-shard-{self.shard_id}",
+            daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout=10.0):
+        """Asks the serve loop to stop and waits for it (thread mode)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"shard {self.shard_id} did not stop "
+                                   f"within {timeout} s")
+
+    def request_stop(self):
+        """Makes the serve loop end after its current turn (signal-safe)."""
+        self._stop.set()
+
+    def serve_forever(self):
+        """Serves requests until `stop`, a STOP request or a signal."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(self.settings.poll_timeout_ms):
+                    continue
+                for _ in range(256):  # bounded drain, then housekeeping
+                    try:
+                        frames = self._socket.recv_multipart(
+                            zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(frames)
+                    if self._stop.is_set():
+                        break
+        finally:
+            self._socket.close(linger=0)
+            self._context.term()
+            log.info("shard %d stopped", self.shard_id)
+
+    # ---------------------------------------------------------- dispatch
+    def _dispatch(self, frames):
+        self.stats["messages_in"] += 1
+        self.stats["bytes_in"] += sum(len(f) for f in frames)
+        if len(frames) < 2:
+            self.stats["errors"] += 1
+            log.warning("shard %d: dropped a message with no header",
+                        self.shard_id)
+            return
+        identity = frames[0].bytes
+        message = None
+        try:
+            message = protocol.decode(
+                frames[1:], max_message_bytes=self.settings.max_message_bytes)
+            self._handle(identity, message)
+        except (ProtocolError, RequestError) as exc:
+            self._refuse(identity, message, str(exc))
+        except Exception as exc:  # a bug must not take the shard down
+            log.exception("shard %d: internal error", self.shard_id)
+            self._refuse(identity, message, f"internal error: {exc!r}")
+
+    def _refuse(self, identity, message, error):
+        self.stats["errors"] += 1
+        seq = message.seq if message is not None else -1
+        table = message.table if message is not None else -1
+        log.warning("shard %d: refused a request (seq %d): %s",
+                    self.shard_id, seq, error)
+        self._send(identity, Message(MsgType.ERROR, table=table, seq=seq,
+                                     meta={"error": error[:2000]}))
+
+    def _send(self, identity, message, track=False):
+        frames = protocol.encode(message)
+        self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes)
+                                       else f.nbytes for f in frames)
+        try:
+            return self._socket.send_multipart([identity] + frames,
+                                               copy=False, track=track)
+        except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
+            log.warning("shard %d: send failed: %s", self.shard_id, exc)
+            return None
+
+    def _handle(self, identity, message):
+        kind = message.type
+        if kind == MsgType.STATS:
+            self._send(identity, Message(
+                MsgType.STATS_REPLY, seq=message.seq,
+                meta={"stats": json.dumps(self.snapshot_stats())}))
+            return
+        if kind == MsgType.STOP:
+            self._send(identity, Message(MsgType.ACK, seq=message.seq))
+            self._stop.set()
+            return
+        worker = message.worker
+        if not 0 <= worker < self.num_workers:
+            raise RequestError(f"worker id {worker} is not in "
+                               f"[0, {self.num_workers})")
+        if kind == MsgType.HELLO:
+            self._hello(identity, message)
+            return
+        if self._identities.get(worker) != identity:
+            raise RequestError(f"worker {worker} must send HELLO first")
+        handler = {
+            MsgType.CREATE: self._create,
+            MsgType.DECLARE: self._declare,
+            MsgType.READ: self._read,
+            MsgType.UPDATE: self._update,
+            MsgType.CLOCK: self._clock,
+        }.get(kind)
+        if handler is None:
+            raise RequestError(f"{kind.name} is not a request a shard takes")
+        tracker = self._seqs[worker]
+        if kind in (MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK):
+            if tracker.seen(message.seq):  # a resend: done already
+                self.stats["duplicates"] += 1
+                self._send(identity, Message(MsgType.ACK, table=message.table,
+                                             seq=message.seq))
+                return
+            handler(identity, message)
+            tracker.mark(message.seq)
+        else:
+            handler(identity, message)
+
+    # ---------------------------------------------------------- requests
+    def _hello(self, identity, message):
+        meta = message.meta
+        for key, mine in (("num_workers", self.num_workers),
+                          ("num_shards", self.num_shards)):
+            if key in meta and meta[key] != mine:
+                raise RequestError(f"worker {message.worker} expects "
+                                   f"{key}={meta[key]}, this shard has "
+                                   f"{mine}")
+        worker = message.worker
+        incarnation = meta.get("incarnation", 0)
+        if self._incarnations.get(worker) != incarnation:
+            self._seqs[worker] = _SeqTracker()  # a new process: new seqs
+            self._incarnations[worker] = incarnation
+        self._identities[worker] = identity
+        self._send(identity, Message(MsgType.WELCOME, seq=message.seq, meta={
+            "shard_id": self.shard_id, "num_shards": self.num_shards,
+            "num_workers": self.num_workers,
+            "max_message_bytes": self.settings.max_message_bytes}))
+
+    def _table_for(self, message):
+        spec = {k: message.meta.get(k) for k in
+                ("name", "rows", "width", "dtype", "row_start", "row_end")}
+        if any(v is None for v in spec.values()):
+            raise RequestError(f"{message.type.name} needs name, rows, width, "
+                               f"dtype, row_start and row_end")
+        if message.table < 0:
+            raise RequestError(f"table id {message.table} is negative")
+        protocol.numpy_dtype(spec["dtype"])
+        if spec["width"] < 1 or spec["rows"] < 0:
+            raise RequestError(f"table {message.table}: width must be >= 1 "
+                               f"and rows >= 0")
+        if not 0 <= spec["row_start"] <= spec["row_end"] <= spec["rows"]:
+            raise RequestError(f"table {message.table}: row range "
+                               f"[{spec['row_start']}, {spec['row_end']}) "
+                               f"is not within [0, {spec['rows']})")
+        table = self._tables.get(message.table)
+        if table is not None:
+            if table.spec != spec:
+                raise RequestError(f"table {message.table} exists as "
+                                   f"{table.spec}, worker {message.worker} "
+                                   f"declares {spec}")
+            return table
+        if len(self._tables) >= self.settings.max_tables:
+            raise RequestError(f"shard holds {len(self._tables)} tables, the "
+                               f"limit (max_tables)")
+        nbytes = ((spec["row_end"] - spec["row_start"]) * spec["width"]
+                  * protocol.numpy_dtype(spec["dtype"]).itemsize)
+        if self._held_bytes() + nbytes > self.settings.max_table_bytes:
+            raise RequestError(f"table {message.table} of {nbytes} bytes "
+                               f"exceeds the shard's memory limit "
+                               f"(max_table_bytes="
+                               f"{self.settings.max_table_bytes})")
+        table = _Table(message.table, spec, self.num_workers)
+        self._tables[message.table] = table
+        return table
+
+    def _held_bytes(self):
+        return sum(t.nbytes * (2 + len(t.pending))
+                   for t in self._tables.values())
+
+    def _create(self, identity, message):
+        table = self._table_for(message)
+        table.subscribers.add(message.worker)
+        row = message.meta.get("chunk_row", 0)
+        for array in message.arrays:
+            self._check_rows(table, array, row)
+            rows = slice(row, row + array.shape[0])
+            if table.initialised[rows].any():
+                raise RequestError(f"table {table.id}: rows from {row} are "
+                                   f"already initialised")
+            table.data[rows] = array
+            table.initialised[rows] = True
+            row += array.shape[0]
+        self._send(identity, Message(MsgType.ACK, table=table.id,
+                                     seq=message.seq))
+        if not table.ready and table.initialised.all():
+            table.ready = True
+            table.initialised = None
+            for worker in table.subscribers:
+                if worker != message.worker:
+                    self._push(table, worker)
+            self._serve_parked()
+
+    def _declare(self, identity, message):
+        table = self._table_for(message)
+        table.subscribers.add(message.worker)
+        self._send(identity, Message(MsgType.ACK, table=table.id,
+                                     seq=message.seq))
+        if table.ready:
+            self._push(table, message.worker)
+
+    def _read(self, identity, message):
+        table = self._tables.get(message.table)
+        if table is None or not table.ready or table.global_clock < message.clk:
+            if len(self._parked) >= self.settings.max_parked_reads:
+                raise RequestError(f"too many waiting reads "
+                                   f"({len(self._parked)}); refusing read "
+                                   f"of table {message.table}")
+            self._parked.append((identity, message))
+            return
+        self._send_rows(table, [identity], MsgType.ROWS, message.seq,
+                        table.data)
+
+    def _serve_parked(self):
+        parked, self._parked = self._parked, []
+        for identity, message in parked:
+            self._read(identity, message)
+
+    def _check_rows(self, table, array, row):
+        if array.dtype != table.dtype:
+            raise RequestError(f"table {table.id}: rows of dtype "
+                               f"{array.dtype.name}, table holds "
+                               f"{table.dtype.name}")
+        if array.ndim != 2 or array.shape[1] != table.width:
+            raise RequestError(f"table {table.id}: rows of shape "
+                               f"{list(array.shape)}, table width is "
+                               f"{table.width}")
+        if not 0 <= row <= row + array.shape[0] <= table.local_rows:
+            raise RequestError(f"table {table.id}: rows [{row}, "
+                               f"{row + array.shape[0]}) are outside this "
+                               f"shard's {table.local_rows} rows")
+
+    def _update(self, identity, message):
+        table = self._tables.get(message.table)
+        if table is None or not table.ready:
+            raise RequestError(f"update of table {message.table}, which is "
+                               f"not created (or not initialised) here")
+        worker, clk = message.worker, message.clk
+        current = int(table.vclock[worker])
+        if clk != current:
+            raise RequestError(f"worker {worker} sent an update of table "
+                               f"{table.id} for clock {clk}, but its current "
+                               f"clock is {current}")
+        if clk - table.global_clock > self.settings.max_pending_clocks:
+            raise RequestError(f"worker {worker} is {clk - table.global_clock}"
+                               f" clocks ahead of table {table.id}'s global "
+                               f"clock (max_pending_clocks="
+                               f"{self.settings.max_pending_clocks})")
+        arrays = message.arrays
+        indexed = message.meta.get("indexed", False)
+        if indexed:
+            if len(arrays) != 2:
+                raise RequestError("an indexed update carries [indices, rows]")
+            index, rows = arrays
+            if index.ndim != 1 or index.dtype != np.int64:
+                raise RequestError("update indices must be a 1-D int64 frame")
+            self._check_rows(table, rows, 0)
+            if rows.shape[0] != index.shape[0]:
+                raise RequestError(f"{index.shape[0]} indices for "
+                                   f"{rows.shape[0]} rows")
+            if index.size and (index.min() < 0
+                               or index.max() >= table.local_rows):
+                bad = index[(index < 0) | (index >= table.local_rows)][0]
+                raise RequestError(f"table {table.id}: row index {bad} is "
+                                   f"outside [0, {table.local_rows})")
+        else:
+            row = message.meta.get("chunk_row", 0)
+            for array in arrays:
+                self._check_rows(table, array, row)
+                row += array.shape[0]
+        pending = table.pending.get(clk)
+        if pending is None:
+            if (self._held_bytes() + table.nbytes
+                    > self.settings.max_table_bytes):
+                raise RequestError(f"no memory for clock {clk} updates of "
+                                   f"table {table.id} (max_table_bytes)")
+            pending = table.pending[clk] = _Pending(table.pool.get())
+        if indexed:
+            pending.add_indexed(index, rows)
+        else:
+            row = message.meta.get("chunk_row", 0)
+            for array in arrays:
+                pending.add(row, array)
+                row += array.shape[0]
+        self.stats["updates_applied"] += 1
+        self._send(identity, Message(MsgType.ACK, table=table.id,
+                                     seq=message.seq))
+
+    def _clock(self, identity, message):
+        table = self._tables.get(message.table)
+        if table is None:
+            raise RequestError(f"clock of unknown table {message.table}")
+        worker, clk = message.worker, message.clk
+        current = int(table.vclock[worker])
+        if clk != current:
+            raise RequestError(f"worker {worker} finished clock {clk} of "
+                               f"table {table.id}, but its current clock is "
+                               f"{current}")
+        table.vclock[worker] = clk + 1
+        self._send(identity, Message(MsgType.ACK, table=table.id,
+                                     seq=message.seq))
+        new_global = int(table.vclock.min())
+        if new_global > table.global_clock:
+            self._advance(table, new_global)
+
+    def _advance(self, table, new_global):
+        """Folds the finished clocks into fresh rows and pushes them."""
+        old = table.data
+        folded = [table.pending.pop(clk) for clk in
+                  range(table.global_clock, new_global)
+                  if clk in table.pending]
+        table.global_clock = new_global
+        subscribers = [self._identities[w] for w in sorted(table.subscribers)
+                       if w in self._identities]
+        if not folded:
+            self._send_rows(table, subscribers, MsgType.PUSH, 0, old)
+            self.stats["pushes"] += 1
+            self._serve_parked()
+            return
+        data = old
+        for pending in folded[:-1]:
+            data = self._fold(table, data, pending, data is not old)
+        last = folded[-1]
+        fresh = table.pool.get()
+        trackers = []
+        # Fold and send chunk by chunk: ZeroMQ's I/O thread sends one chunk
+        # while this thread computes the next.
+        for start, end in self._chunks(table):
+            rows = slice(start, end)
+            _fold_rows(fresh[rows], data[rows], last, start, end)
+            trackers += self._send_chunk(table, subscribers, MsgType.PUSH, 0,
+                                         fresh, start, end)
+        table.data = fresh
+        for pending in folded:
+            table.pool.put(pending.buffer)
+        table.pool.put(old, self._trackers.pop(id(old), []))
+        if data is not old:
+            table.pool.put(data)
+        self._trackers[id(fresh)] = trackers
+        self.stats["pushes"] += 1
+        self._serve_parked()
+
+    def _fold(self, table, data, pending, reuse):
+        out = data if reuse else table.pool.get()
+        _fold_rows(out, data, pending, 0, table.local_rows)
+        return out
+
+    def _push(self, table, worker):
+        identity = self._identities.get(worker)
+        if identity is not None:
+            self._send_rows(table, [identity], MsgType.PUSH, 0, table.data)
+
+    def _chunks(self, table):
+        return protocol.row_chunks(table.local_rows, table.width,
+                                   table.dtype.itemsize,
+                                   self.settings.chunk_bytes)
+
+    def _send_rows(self, table, identities, kind, seq, data):
+        """Sends `data` (never changed later) in row chunks, zero-copy."""
+        trackers = []
+        for start, end in self._chunks(table):
+            trackers += self._send_chunk(table, identities, kind, seq, data,
+                                         start, end)
+        self._trackers.setdefault(id(data), []).extend(trackers)
+        return trackers
+
+    def _send_chunk(self, table, identities, kind, seq, data, start, end):
+        meta = {"row_start": table.spec["row_start"],
+                "row_end": table.spec["row_end"], "chunk_row": start}
+        message = Message(kind, table=table.id, clk=table.global_clock,
+                          seq=seq, arrays=[data[start:end]], meta=meta)
+        trackers = []
+        for identity in identities:
+            tracker = self._send(identity, message, track=True)
+            if tracker is not None:
+                trackers.append(tracker)
+        return trackers
+
+    # ------------------------------------------------------------ stats
+    def snapshot_stats(self):
+        """Returns a JSON-able dict of counters, clocks and tables."""
+        tables = {}
+        for table in self._tables.values():
+            tables[str(table.id)] = {
+                "name": table.spec["name"], "rows": table.local_rows,
+                "width": table.width, "dtype": table.dtype.name,
+                "ready": table.ready, "global_clock": table.global_clock,
+                "vclock": table.vclock.tolist(),
+                "pending_clocks": sorted(table.pending),
+            }
+        return dict(self.stats, shard_id=self.shard_id,
+                    num_shards=self.num_shards, num_workers=self.num_workers,
+                    tables=tables, held_bytes=self._held_bytes(),
+                    workers=sorted(self._identities),
+                    parked_reads=len(self._parked))
+
+
+def _fold_rows(out, data, pending, start, end):
+    """out = data + pending's rows in [start, end) (written rows only)."""
+    written = pending.written[start:end]
+    source = pending.buffer[start:end]
+    if written.all():
+        np.add(data, source, out=out)
+    else:
+        np.copyto(out, data)
+        if written.any():
+            out[written] += source[written]
+
+
+def build_parser(parser=None):
+    """Adds the shard's command-line flags to `parser` (or a new one)."""
+    parser = parser or argparse.ArgumentParser(
+        prog="keras-geeps shard", description="Run one keras_geeps shard.")
+    parser.add_argument("--bind", default="tcp://127.0.0.1:0",
+                        help="ZeroMQ address to bind (port 0 = pick a free "
+                             "one; the chosen address is printed)")
+    parser.add_argument("--shard-id", type=int, required=True)
+    parser.add_argument("--num-shards", type=int, required=True)
+    parser.add_argument("--num-workers", type=int, required=True)
+    parser.add_argument("--max-message-bytes", type=int, default=1 << 30)
+    parser.add_argument("--max-tables", type=int, default=4096)
+    parser.add_argument("--max-table-bytes", type=int, default=16 << 30)
+    parser.add_argument("--max-pending-clocks", type=int, default=64)
+    parser.add_argument("--log-level", default="WARNING")
+    return parser
+
+
+def run_from_args(args):
+    """Runs a shard process from parsed flags until STOP or SIGTERM."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s "
+                               "%(message)s")
+    settings = ShardSettings(max_message_bytes=args.max_message_bytes,
+                             max_tables=args.max_tables,
+                             max_table_bytes=args.max_table_bytes,
+                             max_pending_clocks=args.max_pending_clocks)
+    server = ShardServer(args.bind, args.shard_id, args.num_shards,
+                         args.num_workers, settings)
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.request_stop())
+    print(f"keras_geeps shard {args.shard_id}/{args.num_shards} serving "
+          f"{server.address}", flush=True)
+    started = time.monotonic()
+    server.serve_forever()
+    print(f"keras_geeps shard {args.shard_id} stopped after "
+          f"{time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
+def main(argv=None):
+    """Entry point of `python -m keras_geeps.shard`."""
+    return run_from_args(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

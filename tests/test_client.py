@@ -1,0 +1,173 @@
+"""The worker client against thread shards: reads, updates, slack, indexes."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from keras_geeps.cluster import ClusterSpec, RowPartitioner
+from keras_geeps.errors import GeePSTimeoutError
+
+
+def test_partitioner_is_deterministic_and_balanced():
+    a, b = RowPartitioner(3), RowPartitioner(3)
+    sizes = [(1000, 512), (1, 40), (7, 4), (5000, 512), (2, 8)]
+    placed_a = [a.place(*s) for s in sizes]
+    assert placed_a == [b.place(*s) for s in sizes]
+    assert placed_a[0] == [(0, 0, 333), (1, 333, 666), (2, 666, 1000)]
+    assert len(placed_a[1]) == 1 and placed_a[1][0][0] == 0
+    assert placed_a[2][0][0] == 1  # least-loaded shard takes small tables
+    assert max(a.shard_bytes) - min(a.shard_bytes) <= 2 * 512 + 40
+
+
+def test_cluster_spec_from_tf_config():
+    spec = ClusterSpec.from_tf_config({
+        "cluster": {"ps": ["h1:1", "h2:2"], "worker": ["w:1", "w:2", "w:3"]},
+        "task": {"type": "worker", "index": 2}})
+    assert spec.shards == ["tcp://h1:1", "tcp://h2:2"]
+    assert (spec.num_workers, spec.worker_id) == (3, 2)
+    with pytest.raises(ValueError, match="no cluster.ps"):
+        ClusterSpec.from_tf_config({"cluster": {"worker": ["w:1"]}})
+
+
+def _run_workers(cluster, body, **client_kwargs):
+    errors, results = [], {}
+
+    def run(w):
+        try:
+            with cluster.client(w, **client_kwargs) as client:
+                results[w] = body(client, w)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,))
+               for w in range(cluster.num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_bsp_sums_over_two_shards(thread_cluster):
+    cluster = thread_cluster(2, 3)
+    init = np.arange(700 * 100, dtype=np.float32).reshape(700, 100)
+
+    def body(client, w):
+        table = client.create_table("big", 700, 100, init=init)
+        small = client.create_table("small", 2, 3, dtype="float64")
+        assert len(table.parts) == 2 and len(small.parts) == 1
+        for clk in range(6):
+            expected = init + sum((v + 1) * c for v in range(3)
+                                  for c in range(clk))
+            np.testing.assert_array_equal(client.read(table), expected)
+            np.testing.assert_array_equal(client.read(small),
+                                          np.full((2, 3), 3.0 * clk))
+            client.update(table, np.full((700, 100), (w + 1) * clk,
+                                         np.float32))
+            client.update(small, np.ones((2, 3)))
+            client.clock()
+        return client.read(table, clock=6)
+
+    results = _run_workers(cluster, body)
+    expected = init + sum((v + 1) * c for v in range(3) for c in range(6))
+    for w in range(3):
+        np.testing.assert_array_equal(results[w], expected)
+
+
+def test_virtual_iteration_row_subsets(thread_cluster):
+    cluster = thread_cluster(2, 1)
+    with cluster.client(0) as client:
+        table = client.create_table("emb", 2000, 64)
+        rows = np.array([1999, 3, 1000, 4, 5, 1001], np.int64)
+        with client.virtual_iteration() as vi:
+            h_read = vi.read(table, rows)
+            h_update = vi.update(table, rows)
+            vi.local("activations", 1024)
+        assert [h.kind for h in client.access_plan] == ["read", "update",
+                                                        "local"]
+        assert len(h_read.parts) == 2  # rows on both shards, index prebuilt
+        assert "activations" in client.access_plan.table_rows()
+        for step in range(3):
+            values = client.read(h_read)
+            np.testing.assert_array_equal(values, np.full((6, 64), step))
+            client.update(h_update, np.ones((6, 64), np.float32))
+            client.clock()
+        full = client.read(table)
+        assert full[sorted(rows)].min() == 3 and full.sum() == 3 * 6 * 64
+        with pytest.raises(ValueError, match="row 2000 is outside"):
+            client.virtual_iteration().read(table, [2000])
+
+
+def test_ssp_reads_within_bound_and_exact_age(thread_cluster):
+    cluster = thread_cluster(1, 2)
+    slack = 2
+
+    def body(client, w):
+        table = client.create_table("t", 4, 4)
+        seen = []
+        for clk in range(12):
+            age = client.wait_fresh(table)
+            value = client.read(table)[0, 0]
+            seen.append((clk, age, float(value)))
+            if w == 1:
+                threading.Event().wait(0.01)  # a slow worker
+            client.update(table, np.ones((4, 4), np.float32))
+            client.clock()
+        return seen
+
+    results = _run_workers(cluster, body, slack=slack)
+    for w, seen in results.items():
+        for clk, age, value in seen:
+            assert age >= clk - slack, (w, clk, age)
+            # A push at age a holds exactly the clocks before a (2 workers).
+            assert value >= 2 * (clk - slack), (w, clk, value)
+    assert any(age < clk for clk, age, _ in results[0])  # stale reads happen
+
+
+def test_read_my_writes(thread_cluster):
+    cluster = thread_cluster(1, 2)
+
+    def body(client, w):
+        table = client.create_table("t", 2, 2)
+        client.update(table, np.full((2, 2), w + 1.0, np.float32))
+        mine = client.read(table)[0, 0]       # own update visible at once
+        client.clock()
+        client.update(table, np.full((2, 2), 10.0, np.float32))
+        client.clock()
+        fresh = client.read(table, clock=2 + 5)[0, 0]  # needs age 2
+        return mine, fresh
+
+    results = _run_workers(cluster, body, slack=5, read_my_writes=True)
+    assert results[0][0] == 1.0 and results[1][0] == 2.0
+    # Both workers' clock-0 and clock-1 updates, never counted twice.
+    assert results[0][1] == results[1][1] == 3.0 + 20.0
+
+
+def test_worker_that_stops_clocking_is_named(thread_cluster):
+    cluster = thread_cluster(1, 2)
+    lazy_ready = threading.Event()
+    done = threading.Event()
+
+    def lazy():
+        with cluster.client(1, timeout=10) as client:
+            client.create_table("t", 2, 2)
+            lazy_ready.set()
+            done.wait(20)
+
+    thread = threading.Thread(target=lazy)
+    thread.start()
+    try:
+        with cluster.client(0, timeout=1.5) as client:
+            table = client.create_table("t", 2, 2)
+            lazy_ready.wait(10)
+            client.clock()
+            with pytest.raises(GeePSTimeoutError,
+                               match=r"workers \[1\] have not finished "
+                                     r"clock 0"):
+                client.read(table)
+    finally:
+        done.set()
+        thread.join(10)

@@ -1,0 +1,208 @@
+"""A shard in a thread, driven through raw sockets and through the client."""
+
+import json
+
+import numpy as np
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from keras_geeps import protocol
+from keras_geeps.errors import GeePSServerError
+from keras_geeps.protocol import Message, MsgType
+from keras_geeps.shard import ShardServer, ShardSettings
+
+
+class RawPeer:
+    """A bare DEALER socket speaking the protocol by hand."""
+
+    def __init__(self, address, worker=0):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, 5000)
+        self.socket.connect(address)
+        self.worker = worker
+        self.seq = 0
+
+    def message(self, kind, **kwargs):
+        self.seq += 1
+        kwargs.setdefault("worker", self.worker)
+        return Message(kind, seq=self.seq, **kwargs)
+
+    def send(self, message):
+        frames = protocol.encode(message)
+        self.socket.send_multipart(frames)
+        return frames
+
+    def recv(self):
+        return protocol.decode(self.socket.recv_multipart())
+
+    def ask(self, kind, **kwargs):
+        self.send(self.message(kind, **kwargs))
+        return self.recv()
+
+    def close(self):
+        self.socket.close()
+        self.context.term()
+
+
+SPEC = {"name": "t", "rows": 4, "width": 3, "dtype": "float32",
+        "row_start": 0, "row_end": 4}
+
+
+@pytest.fixture
+def shard():
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1,
+                         ShardSettings(max_message_bytes=1 << 20,
+                                       max_tables=8)).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def peer(shard):
+    p = RawPeer(shard.address)
+    assert p.ask(MsgType.HELLO, meta={"num_workers": 1,
+                                      "num_shards": 1}).type == MsgType.WELCOME
+    init = np.zeros((4, 3), np.float32)
+    reply = p.ask(MsgType.CREATE, table=0, arrays=[init],
+                  meta=dict(SPEC, chunk_row=0))
+    assert reply.type == MsgType.ACK
+    yield p
+    p.close()
+
+
+def _read(peer, clk=0):
+    reply = peer.ask(MsgType.READ, table=0, clk=clk)
+    assert reply.type == MsgType.ROWS, reply
+    return reply.arrays[0]
+
+
+def test_resent_update_is_applied_once(shard, peer):
+    delta = np.ones((4, 3), np.float32)
+    frames = peer.send(peer.message(MsgType.UPDATE, table=0, clk=0,
+                                    arrays=[delta], meta={"chunk_row": 0}))
+    assert peer.recv().type == MsgType.ACK
+    peer.socket.send_multipart(frames)           # the same message again
+    assert peer.recv().type == MsgType.ACK       # acknowledged, not applied
+    clock = peer.message(MsgType.CLOCK, table=0, clk=0)
+    frames = peer.send(clock)
+    assert peer.recv().type == MsgType.ACK
+    push = peer.recv()                           # global clock 0 -> 1
+    assert push.type == MsgType.PUSH and push.clk == 1
+    np.testing.assert_array_equal(push.arrays[0], delta)
+    peer.socket.send_multipart(frames)           # a resent CLOCK is a no-op
+    assert peer.recv().type == MsgType.ACK
+    np.testing.assert_array_equal(_read(peer), delta)
+    stats = shard.snapshot_stats()
+    assert stats["updates_applied"] == 1 and stats["duplicates"] == 2
+    assert stats["tables"]["0"]["vclock"] == [1]
+
+
+def test_indexed_update_with_duplicates(peer):
+    index = np.array([3, 1, 3], np.int64)
+    rows = np.arange(9, dtype=np.float32).reshape(3, 3)
+    reply = peer.ask(MsgType.UPDATE, table=0, clk=0, arrays=[index, rows],
+                     meta={"indexed": True})
+    assert reply.type == MsgType.ACK
+    expected = np.zeros((4, 3), np.float32)
+    np.add.at(expected, index, rows)
+    np.testing.assert_array_equal(_read(peer), expected)
+
+
+@pytest.mark.parametrize("message,pattern", [
+    (dict(kind=MsgType.UPDATE, table=9, clk=0,
+          arrays=[np.ones((4, 3), np.float32)]), "not created"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=5,
+          arrays=[np.ones((4, 3), np.float32)]), "current clock is 0"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0,
+          arrays=[np.ones((4, 2), np.float32)]), "width is 3"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0,
+          arrays=[np.ones((4, 3), np.float64)]), "dtype float64"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"chunk_row": 2},
+          arrays=[np.ones((4, 3), np.float32)]), "outside this shard"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+          arrays=[np.array([7], np.int64), np.ones((1, 3), np.float32)]),
+     "row index 7"),
+    (dict(kind=MsgType.CLOCK, table=0, clk=3), "current clock is 0"),
+    (dict(kind=MsgType.DECLARE, table=0, meta=dict(SPEC, width=5)),
+     "exists as"),
+    (dict(kind=MsgType.HELLO, meta={"num_workers": 3}),
+     "num_workers=3"),
+    (dict(kind=MsgType.READ, table=0, worker=4), "worker id 4"),
+    (dict(kind=MsgType.PUSH, table=0, arrays=[np.ones((4, 3), np.float32)]),
+     "not a request"),
+])
+def test_bad_requests_get_named_errors(peer, message, pattern):
+    reply = peer.ask(message.pop("kind"), **message)
+    assert reply.type == MsgType.ERROR
+    assert pattern in reply.meta["error"]
+    np.testing.assert_array_equal(_read(peer), np.zeros((4, 3)))
+
+
+def test_limits_refuse_excess(shard, peer):
+    big = np.zeros((1 << 18, 2), np.float32)  # 2 MiB > 1 MiB limit
+    reply = peer.ask(MsgType.UPDATE, table=0, clk=0, arrays=[big])
+    assert reply.type == MsgType.ERROR and "exceeds the limit" in \
+        reply.meta["error"]
+    for table in range(1, 8):
+        assert peer.ask(MsgType.DECLARE, table=table,
+                        meta=dict(SPEC)).type == MsgType.ACK
+    reply = peer.ask(MsgType.DECLARE, table=8, meta=dict(SPEC))
+    assert "max_tables" in reply.meta["error"]
+
+
+def test_requests_before_hello_are_refused(shard):
+    p = RawPeer(shard.address)
+    try:
+        reply = p.ask(MsgType.READ, table=0)
+        assert reply.type == MsgType.ERROR
+        assert "HELLO first" in reply.meta["error"]
+    finally:
+        p.close()
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_garbage_gets_errors_and_shard_keeps_serving(shard, peer, garbage):
+    bad = RawPeer(shard.address, worker=0)
+    try:
+        bad.socket.send_multipart(garbage)
+        reply = bad.recv()
+        assert reply.type == MsgType.ERROR
+    finally:
+        bad.close()
+    np.testing.assert_array_equal(_read(peer), np.zeros((4, 3)))
+
+
+def test_stats_and_stop(shard, peer):
+    reply = peer.ask(MsgType.STATS)
+    stats = json.loads(reply.meta["stats"])
+    assert stats["tables"]["0"]["rows"] == 4 and stats["workers"] == [0]
+    assert stats["bytes_in"] > 0 and stats["bytes_out"] > 0
+    assert peer.ask(MsgType.STOP).type == MsgType.ACK
+    shard.stop()
+    assert not shard._thread.is_alive()
+
+
+def test_client_surfaces_shard_errors(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(timeout=5) as client:
+        table = client.create_table("x", 2, 2)
+        with pytest.raises(ValueError, match="expected 4"):
+            client.update(table, np.ones(5))
+        with pytest.raises(GeePSServerError, match="exists as"):
+            # Another worker's view of the table that disagrees.
+            client._tables.pop()
+            del client._by_name["x"]
+            client.create_table("x", 2, 3)
+
+
+def test_process_shard_stops_on_sigterm(process_cluster):
+    cluster = process_cluster(1, 1)
+    shard = cluster.shards[0]
+    shard.process.send_signal(15)
+    assert shard.process.wait(10) == 0
