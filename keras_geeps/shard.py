@@ -93,35 +93,65 @@ class _Table:
 
 
 class _Pending:
-    """The summed updates of one clock; rows not yet written hold garbage."""
+    """The updates of one clock, summed as they arrive.
 
-    def __init__(self, buffer):
+    For the table's current clock (`base` given) the buffer accumulates
+    `base + updates` directly: when the clock completes, it *is* the fresh
+    rows, with no extra pass. For later clocks (SSP) it holds plain deltas
+    until `rebase` makes it absolute. Rows never written hold garbage;
+    `complete` fills them from `base`.
+    """
+
+    def __init__(self, buffer, base=None):
         self.buffer = buffer
+        self.base = base
         self.written = np.zeros(buffer.shape[0], bool)
 
     def add(self, start, rows):
-        """Adds `rows` at row `start` (copies where nothing was written)."""
+        """Adds `rows` at row `start`."""
         end = start + rows.shape[0]
         written = self.written[start:end]
         target = self.buffer[start:end]
         if written.all():
             np.add(target, rows, out=target)
         elif not written.any():
-            np.copyto(target, rows)
+            if self.base is None:
+                np.copyto(target, rows)
+            else:
+                np.add(self.base[start:end], rows, out=target)
         else:
-            target[~written] = 0
+            self._fill(np.arange(start, end)[~written])
             np.add(target, rows, out=target)
         written[:] = True
 
     def add_indexed(self, index, rows):
         """Adds `rows` at row ids `index` (duplicates accumulate)."""
-        fresh = index[~self.written[index]]
-        self.buffer[fresh] = 0
-        self.written[fresh] = True
+        self._fill(np.unique(index[~self.written[index]]))
         if index.size > 1 and np.all(index[1:] > index[:-1]):
             self.buffer[index] += rows
         else:
             np.add.at(self.buffer, index, rows)
+
+    def _fill(self, fresh):
+        self.buffer[fresh] = 0 if self.base is None else self.base[fresh]
+        self.written[fresh] = True
+
+    def rebase(self, base):
+        """Turns plain deltas into `base + deltas` (the clock became current)."""
+        written = self.written
+        if written.all():
+            np.add(self.buffer, base, out=self.buffer)
+        elif written.any():
+            self.buffer[written] += base[written]
+        self.base = base
+
+    def complete(self):
+        """Returns the full fresh rows (unwritten rows copied from base)."""
+        if not self.written.all():
+            missing = ~self.written
+            self.buffer[missing] = self.base[missing]
+            self.written[:] = True
+        return self.buffer
 
 
 class _BufferPool:
@@ -509,7 +539,8 @@ class ShardServer:
                     > self.settings.max_table_bytes):
                 raise RequestError(f"no memory for clock {clk} updates of "
                                    f"table {table.id} (max_table_bytes)")
-            pending = table.pending[clk] = _Pending(table.pool.get())
+            base = table.data if clk == table.global_clock else None
+            pending = table.pending[clk] = _Pending(table.pool.get(), base)
         if indexed:
             pending.add_indexed(index, rows)
         else:
@@ -539,46 +570,31 @@ class ShardServer:
             self._advance(table, new_global)
 
     def _advance(self, table, new_global):
-        """Folds the finished clocks into fresh rows and pushes them."""
-        old = table.data
-        folded = [table.pending.pop(clk) for clk in
-                  range(table.global_clock, new_global)
-                  if clk in table.pending]
+        """Makes the finished clocks' rows current and pushes them."""
+        data = table.data
+        for clk in range(table.global_clock, new_global):
+            pending = table.pending.pop(clk, None)
+            if pending is None:
+                continue  # nobody updated the table in that clock
+            if pending.base is None:
+                pending.rebase(data)
+            fresh = pending.complete()
+            self._retire(table, data)
+            data = fresh
+        table.data = data
         table.global_clock = new_global
         subscribers = [self._identities[w] for w in sorted(table.subscribers)
                        if w in self._identities]
-        if not folded:
-            self._send_rows(table, subscribers, MsgType.PUSH, 0, old)
-            self.stats["pushes"] += 1
-            self._serve_parked()
-            return
-        data = old
-        for pending in folded[:-1]:
-            data = self._fold(table, data, pending, data is not old)
-        last = folded[-1]
-        fresh = table.pool.get()
-        trackers = []
-        # Fold and send chunk by chunk: ZeroMQ's I/O thread sends one chunk
-        # while this thread computes the next.
-        for start, end in self._chunks(table):
-            rows = slice(start, end)
-            _fold_rows(fresh[rows], data[rows], last, start, end)
-            trackers += self._send_chunk(table, subscribers, MsgType.PUSH, 0,
-                                         fresh, start, end)
-        table.data = fresh
-        for pending in folded:
-            table.pool.put(pending.buffer)
-        table.pool.put(old, self._trackers.pop(id(old), []))
-        if data is not old:
-            table.pool.put(data)
-        self._trackers[id(fresh)] = trackers
+        self._send_rows(table, subscribers, MsgType.PUSH, 0, data)
+        waiting = table.pending.get(new_global)
+        if waiting is not None:  # early (SSP) updates of the new clock
+            waiting.rebase(data)
         self.stats["pushes"] += 1
         self._serve_parked()
 
-    def _fold(self, table, data, pending, reuse):
-        out = data if reuse else table.pool.get()
-        _fold_rows(out, data, pending, 0, table.local_rows)
-        return out
+    def _retire(self, table, data):
+        """Returns replaced rows to the pool, reusable once their sends end."""
+        table.pool.put(data, self._trackers.pop(id(data), []))
 
     def _push(self, table, worker):
         identity = self._identities.get(worker)
@@ -628,18 +644,6 @@ class ShardServer:
                     tables=tables, held_bytes=self._held_bytes(),
                     workers=sorted(self._identities),
                     parked_reads=len(self._parked))
-
-
-def _fold_rows(out, data, pending, start, end):
-    """out = data + pending's rows in [start, end) (written rows only)."""
-    written = pending.written[start:end]
-    source = pending.buffer[start:end]
-    if written.all():
-        np.add(data, source, out=out)
-    else:
-        np.copyto(out, data)
-        if written.any():
-            out[written] += source[written]
 
 
 def build_parser(parser=None):

@@ -107,9 +107,14 @@ def test_indexed_update_with_duplicates(peer):
     reply = peer.ask(MsgType.UPDATE, table=0, clk=0, arrays=[index, rows],
                      meta={"indexed": True})
     assert reply.type == MsgType.ACK
+    # Reads see exactly the finished clocks: nothing until clock 0 ends.
+    np.testing.assert_array_equal(_read(peer), np.zeros((4, 3)))
+    assert peer.ask(MsgType.CLOCK, table=0, clk=0).type == MsgType.ACK
+    push = peer.recv()
     expected = np.zeros((4, 3), np.float32)
     np.add.at(expected, index, rows)
-    np.testing.assert_array_equal(_read(peer), expected)
+    np.testing.assert_array_equal(push.arrays[0], expected)
+    np.testing.assert_array_equal(_read(peer, clk=1), expected)
 
 
 @pytest.mark.parametrize("message,pattern", [

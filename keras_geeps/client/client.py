@@ -29,6 +29,47 @@ from keras_geeps.errors import GeePSError, GeePSTimeoutError
 from keras_geeps.protocol import Message, MsgType
 
 
+class PartRows:
+    """The cached rows of one shard part, kept as the chunks that arrived.
+
+    Pushed chunks are used where ZeroMQ received them (no copy into a
+    cache array); a read copies them straight into its output.
+    """
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks):
+        self.chunks = chunks  # [(first row, array)], sorted, covering
+
+    @classmethod
+    def zeros(cls, rows, width, dtype):
+        return cls([(0, np.zeros((rows, width), dtype))])
+
+    def copy_to(self, out, local_rows):
+        """out[...] = rows `local_rows` (a slice or sorted int array)."""
+        if isinstance(local_rows, slice):
+            lo, hi = local_rows.start, local_rows.stop
+            for start, array in self.chunks:
+                a, b = max(lo, start), min(hi, start + array.shape[0])
+                if a < b:
+                    out[a - lo:b - lo] = array[a - start:b - start]
+            return
+        starts = np.array([start for start, _ in self.chunks])
+        which = np.searchsorted(starts, local_rows, side="right") - 1
+        for i, (start, array) in enumerate(self.chunks):
+            mask = which == i
+            if mask.any():
+                out[mask] = array[local_rows[mask] - start]
+
+    def writable(self):
+        """One writable array of all rows (made once, for read-my-writes)."""
+        if len(self.chunks) != 1 or not self.chunks[0][1].flags.writeable:
+            self.chunks = [(0, np.concatenate([a for _, a in self.chunks])
+                            if len(self.chunks) > 1
+                            else self.chunks[0][1].copy())]
+        return self.chunks[0][1]
+
+
 class Table:
     """A worker's view of one parameter table (rows of fixed width).
 
@@ -50,16 +91,15 @@ class Table:
         self.parts = parts
         self.part_of = {(shard, start): i
                         for i, (shard, start, _) in enumerate(parts)}
-        # One array per shard part: a push lands in `staging` and is swapped
-        # in whole, so a read never sees a half-received push and its data
-        # age is exact.
-        self.part_rows = [np.zeros((end - start, width), dtype)
+        # The rows of each shard part. A push is collected chunk by chunk
+        # and swapped in whole, so a read never sees half a push and its
+        # data age is exact.
+        self.part_rows = [PartRows.zeros(end - start, width, dtype)
                           for _, start, end in parts]
-        self.staging = [np.empty_like(p) for p in self.part_rows]
         self.ages = np.full(len(parts), -1, np.int64)
         self.last_read_age = -1     # data age of the last `read`
         self.last_read_ages = []    # ... of each part it touched
-        self.incoming = [[-1, 0] for _ in parts]  # [age, rows arrived]
+        self.incoming = [[-1, 0, []] for _ in parts]  # age, rows, chunks
         self.clock = 0
         self.update_buffer = None   # this clock's summed updates
         self.update_owned = False   # True: we allocated update_buffer
@@ -224,8 +264,9 @@ class GeePSClient:
                     raise ValueError(f"table {name!r}: init has {values.size}"
                                      f" elements, expected {rows * width}")
                 values = values.reshape(rows, width)
-                for part, (_, start, end) in zip(table.part_rows, parts):
-                    part[...] = values[start:end]
+                for part, (_, start, end) in enumerate(parts):
+                    table.part_rows[part] = PartRows(
+                        [(0, values[start:end].copy())])
             table.ages[:] = 0
             for part, (shard, start, end) in enumerate(parts):
                 for c0, c1 in protocol.row_chunks(end - start, width,
@@ -234,7 +275,8 @@ class GeePSClient:
                     meta = {"name": name, "rows": rows, "width": width,
                             "dtype": dtype.name, "row_start": start,
                             "row_end": end, "chunk_row": c0}
-                    arrays = ([table.part_rows[part][c0:c1]]
+                    rows_ = table.part_rows[part].chunks[0][1]
+                    arrays = ([rows_[c0:c1]]
                               if c1 > c0 else [])
                     requests.append((shard, Message(MsgType.CREATE, table.id,
                                                     arrays=arrays, meta=meta)))
@@ -301,23 +343,24 @@ class GeePSClient:
             return
         incoming = table.incoming[part]
         if incoming[0] != message.clk:
-            incoming[0], incoming[1] = message.clk, 0
-        table.staging[part][begin:begin + rows.shape[0]] = rows
+            incoming[:] = [message.clk, 0, []]
+        incoming[2].append((begin, rows))
         incoming[1] += rows.shape[0]
         if incoming[1] < end - start:
             return
         age = message.clk
+        fresh = PartRows(sorted(incoming[2], key=lambda c: c[0]))
+        incoming[:] = [-1, 0, []]
         with table.lock:
             if age > table.ages[part]:
-                fresh = table.staging[part]
-                table.staging[part] = table.part_rows[part]
-                table.part_rows[part] = fresh
                 if table.read_my_writes:  # replay own, uncovered updates
+                    rows_ = fresh.writable()
                     for clk, delta in list(table.own.items()):
                         if clk >= age:
-                            fresh += delta[start:end]
+                            rows_ += delta[start:end]
                     if table.update_buffer is not None:  # this clock's
-                        fresh += table.update_buffer[start:end]
+                        rows_ += table.update_buffer[start:end]
+                table.part_rows[part] = fresh
                 table.ages[part] = age
             floor = table.ages.min()
             for clk in [c for c in table.own if c < floor]:
@@ -399,7 +442,7 @@ class GeePSClient:
                              f"{(count, table.width)}")
         with table.lock:
             for part, buffer_rows, local_rows in handle.parts:
-                out[buffer_rows] = table.part_rows[part][local_rows]
+                table.part_rows[part].copy_to(out[buffer_rows], local_rows)
             ages = [table.ages[part] for part, _, _ in handle.parts]
         table.last_read_ages = [int(a) for a in ages]
         table.last_read_age = int(min(ages)) if ages else table.data_age
@@ -434,7 +477,8 @@ class GeePSClient:
             self._accumulate(table, handle, delta, copy)
             if table.read_my_writes:
                 for part, buffer_rows, local_rows in handle.parts:
-                    table.part_rows[part][local_rows] += delta[buffer_rows]
+                    table.part_rows[part].writable()[local_rows] += \
+                        delta[buffer_rows]
 
     @staticmethod
     def _accumulate(table, handle, delta, copy):

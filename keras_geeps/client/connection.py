@@ -84,7 +84,10 @@ class IOThread:
 
     def _ring(self):
         with self._doorbell_lock:
-            self._doorbell.send(b"", zmq.NOBLOCK)
+            try:
+                self._doorbell.send(b"", zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # rings are queued already: the thread will wake
 
     def close(self, timeout=5.0):
         """Stops the thread and closes every socket."""
