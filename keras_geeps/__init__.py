@@ -13,7 +13,9 @@ _LAZY = {
     "GeePSClient": "keras_geeps.client",
     "ShardServer": "keras_geeps.shard",
     "LocalCluster": "keras_geeps.launch",
-    "GeePSStrategy": "keras_geeps.strategy",
+    "GeePSStrategy": "keras_geeps.keras",
+    "ParameterServerCallback": "keras_geeps.keras",
+    "ChiefOnly": "keras_geeps.keras",
 }
 
 

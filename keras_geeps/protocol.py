@@ -85,7 +85,7 @@ _META_SCHEMA = {
     MsgType.HELLO: {"num_workers": int, "num_shards": int,
                     "incarnation": int},
     MsgType.WELCOME: {"shard_id": int, "num_shards": int, "num_workers": int,
-                      "max_message_bytes": int},
+                      "max_message_bytes": int, "max_pending_clocks": int},
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
                      "row_start": int, "row_end": int, "chunk_row": int},
     MsgType.DECLARE: {"name": str, "rows": int, "width": int, "dtype": str,

@@ -390,7 +390,8 @@ class ShardServer:
         self._send(identity, Message(MsgType.WELCOME, seq=message.seq, meta={
             "shard_id": self.shard_id, "num_shards": self.num_shards,
             "num_workers": self.num_workers,
-            "max_message_bytes": self.settings.max_message_bytes}))
+            "max_message_bytes": self.settings.max_message_bytes,
+            "max_pending_clocks": self.settings.max_pending_clocks}))
 
     def _table_for(self, message):
         spec = {k: message.meta.get(k) for k in

@@ -14,6 +14,7 @@ large slack approximates asynchronous training.
 
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -27,6 +28,8 @@ from keras_geeps.client.connection import Future, IOThread
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import GeePSError, GeePSTimeoutError
 from keras_geeps.protocol import Message, MsgType
+
+log = logging.getLogger("keras_geeps.client")
 
 
 class PartRows:
@@ -174,7 +177,7 @@ class GeePSClient:
                             name=f"geeps-io-w{self.worker_id}")
         incarnation = int.from_bytes(os.urandom(6), "little")
         try:
-            self._request_all([
+            welcomes = self._request_all([
                 (shard, Message(MsgType.HELLO, meta={
                     "num_workers": self.num_workers,
                     "num_shards": self.cluster.num_shards,
@@ -183,6 +186,15 @@ class GeePSClient:
         except BaseException:
             self._io.close()
             raise
+        # A worker may run at most max_pending_clocks ahead of the global
+        # clock (the shards bound their per-clock buffers): a larger slack
+        # ("async") is capped there.
+        bound = min(w.meta.get("max_pending_clocks", 1 << 30)
+                    for w in welcomes)
+        if self.slack > bound:
+            log.warning("slack %d capped to %d by the shards' "
+                        "max_pending_clocks", self.slack, bound)
+            self.slack = bound
 
     # --------------------------------------------------------- plumbing
     def _next_seq(self, shard):

@@ -1,0 +1,105 @@
+"""Keras callbacks of the GeePS strategy, each doing one thing."""
+
+import keras
+
+
+class ParameterServerCallback(keras.callbacks.Callback):
+    """Reports parameter-server figures per epoch and syncs at the end.
+
+    Adds to each epoch's `logs` (so the progress bar, `History` and
+    `TensorBoard` show them): `ps_wait_s` (seconds the steps waited for
+    fresh parameters), `ps_sent_mb` / `ps_received_mb` (traffic with the
+    shards), `ps_data_age` (clocks reflected by the parameters last read)
+    and `ps_step_ms` (time in pulls and pushes per step). At the end of
+    training it pulls the final parameters, so every worker ends with the
+    same weights; and it turns XLA off (XLA cannot run the sync).
+
+    Args:
+        strategy: the `GeePSStrategy`.
+
+    Example:
+
+    ```python
+    model.fit(ds, epochs=3, callbacks=[ParameterServerCallback(strategy)])
+    ```
+    """
+
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+        self._start = None
+
+    def on_train_begin(self, logs=None):
+        if getattr(self.model, "jit_compile", False):
+            self.model.jit_compile = False
+            self.model.make_train_function(force=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = self.strategy.ps_stats()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is None or self._start is None:
+            return
+        now = self.strategy.ps_stats()
+        steps = max(1, now["steps"] - self._start["steps"])
+        logs["ps_wait_s"] = round(now["pull_wait_seconds"]
+                                  - self._start["pull_wait_seconds"], 3)
+        logs["ps_sent_mb"] = round((now["bytes_sent"]
+                                    - self._start["bytes_sent"]) / 1e6, 2)
+        logs["ps_received_mb"] = round((now["bytes_received"]
+                                        - self._start["bytes_received"])
+                                       / 1e6, 2)
+        logs["ps_data_age"] = now["data_age"]
+        logs["ps_step_ms"] = round(
+            1e3 * ((now["pull_seconds"] - self._start["pull_seconds"])
+                   + (now["push_seconds"] - self._start["push_seconds"]))
+            / steps, 2)
+
+    def on_train_end(self, logs=None):
+        self.strategy.sync()
+
+
+class ChiefOnly(keras.callbacks.Callback):
+    """Runs a callback on worker 0 only (e.g. checkpoints, by default).
+
+    Args:
+        callback: the callback to wrap.
+        strategy: the `GeePSStrategy`.
+
+    Example:
+
+    ```python
+    ChiefOnly(keras.callbacks.ModelCheckpoint("ckpt.keras"), strategy)
+    ```
+    """
+
+    def __init__(self, callback, strategy):
+        super().__init__()
+        self.callback = callback
+        self.strategy = strategy
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.callback.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.callback.set_params(params)
+
+
+
+def _chief_only(hook):
+    def method(self, *args, **kwargs):
+        if self.strategy.is_chief:
+            return getattr(self.callback, hook)(*args, **kwargs)
+        return None
+    method.__name__ = hook
+    return method
+
+
+for _hook in ("on_train_begin", "on_train_end", "on_epoch_begin",
+              "on_epoch_end", "on_train_batch_begin", "on_train_batch_end",
+              "on_test_begin", "on_test_end", "on_test_batch_begin",
+              "on_test_batch_end", "on_predict_begin", "on_predict_end",
+              "on_predict_batch_begin", "on_predict_batch_end"):
+    setattr(ChiefOnly, _hook, _chief_only(_hook))

@@ -1,0 +1,279 @@
+"""Keeps a model's variables in step with the shards, one table per layer.
+
+GeePS keeps each layer's parameters as one table of fixed-width rows. Here
+a layer's trainable variables become one table; every step the worker
+*pulls* each table (waits until it is as fresh as the slack requires, then
+assigns it into the variables with one `unpack` op), runs the step with its
+own optimizer, and *pushes* the step's additive update (one `pack` op
+computing `value - snapshot`), then clocks the table. Pushes are issued in
+reverse layer order so the last layers' updates leave while the earlier
+layers are still in backprop.
+
+The pulls and pushes are `tf.py_function`s placed in the compiled train step
+itself, so they run at every step, `steps_per_execution` included.
+"""
+
+import functools
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from keras_geeps import ops
+from keras_geeps.errors import GeePSError
+from keras_geeps.keras import _tf_hooks
+
+MAX_ROW_WIDTH = 1024  # elements per row, at most
+
+
+def row_width(total, max_width=MAX_ROW_WIDTH):
+    """The widest row width <= max_width that divides `total` exactly.
+
+    Rows of a table have one fixed width; choosing a divisor means a layer's
+    packed buffer is exactly rows * width elements, with no padding copy.
+
+    Args:
+        total: number of elements of the table.
+        max_width: the widest row allowed. Defaults to 1024.
+
+    Example:
+
+    >>> row_width(784 * 128 + 128)
+    1004
+    """
+    if total <= max_width:
+        return max(1, total)
+    best = 1
+    for d in range(1, int(total ** 0.5) + 1):
+        if total % d == 0:
+            for w in (d, total // d):
+                if best < w <= max_width:
+                    best = w
+    return best
+
+
+def layer_name(variable):
+    """The layer path of a TF variable ('model/dense/kernel:0' -> 'model/dense')."""
+    name = variable.name.split(":")[0]
+    return name.rsplit("/", 1)[0] if "/" in name else name
+
+
+def _aligned_empty(size, dtype, alignment=64):
+    """A 1-D array whose data is 64-byte aligned (TF can then alias it)."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset:offset + size * dtype.itemsize].view(dtype)
+
+
+class LayerTable:
+    """One layer's variables, their pack layout, and their client table."""
+
+    def __init__(self, name, variables, table, layout):
+        self.name = name
+        self.variables = variables
+        self.table = table
+        self.layout = layout
+        self.snapshot = None       # tensor: the variables after the pull
+        self.snapshot_stale = False  # variables changed since the snapshot
+        self.pulled_ages = None
+        self._buffers = [_aligned_empty(layout.total_size,
+                                        table.dtype) for _ in range(2)]
+        self._next = 0
+
+    def next_buffer(self):
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        return buffer
+
+
+class ParameterSync:
+    """Moves a model's variables to and from the shards around each step.
+
+    Args:
+        client: the worker's `GeePSClient`.
+        update_mode: "average" (default) divides each worker's update by
+            the number of workers, so N workers with per-worker batch B
+            under plain SGD behave like one worker with batch N * B;
+            "sum" adds the updates as they are.
+        max_row_width: widest table row. Defaults to 1024.
+    """
+
+    def __init__(self, client, update_mode="average",
+                 max_row_width=MAX_ROW_WIDTH):
+        if update_mode not in ("average", "sum"):
+            raise ValueError(f"update_mode must be 'average' or 'sum', not "
+                             f"{update_mode!r}")
+        self.client = client
+        self.update_mode = update_mode
+        self.scale = 1.0 / client.num_workers if update_mode == "average" \
+            else 1.0
+        self.max_row_width = max_row_width
+        self.tables = []
+        self._candidates = []
+        self._updated = None
+        self._lock = threading.Lock()
+        self.pull_wait_seconds = 0.0
+        self.pull_seconds = 0.0
+        self.push_seconds = 0.0
+        self.steps = 0
+        self.max_staleness = 0     # most clocks a read lagged its clock
+
+    @property
+    def built(self):
+        return bool(self.tables)
+
+    # --------------------------------------------------- strategy hooks
+    def track_variable(self, variable, trainable):
+        """Called for every variable created in the strategy's scope."""
+        if trainable and not self.built:
+            self._candidates.append(variable)
+
+    def note_update(self, variable):
+        """Called for every variable the optimizer updates (at trace time)."""
+        if self._updated is not None:
+            self._updated.add(id(variable))
+
+    def wrap_step(self, call, is_train_step=False):
+        """Runs `call` (one step) between pulls and pushes of the tables."""
+        if _tf_hooks.in_xla_context():
+            raise GeePSError(
+                "GeePSStrategy cannot run inside an XLA-compiled function: "
+                "compile the model with jit_compile=False (Keras turns XLA on "
+                "by default when a GPU is visible)")
+        if not self.built and self._candidates:
+            with tf.init_scope():
+                self.build()
+        if not self.tables:
+            return call()
+        pulls = [tf.py_function(functools.partial(self._pull, i), [],
+                                tf.bool, name=f"geeps_pull_{i}")
+                 for i in range(len(self.tables))]
+        outer, self._updated = self._updated, set()
+        try:
+            with tf.control_dependencies(pulls):
+                result = call()
+            updated = self._updated
+        finally:
+            self._updated = outer
+        if is_train_step and not updated:
+            raise GeePSError(
+                "the train step updated no parameter table: create the model "
+                "AND its optimizer (model.compile) inside strategy.scope()")
+        for i in reversed(range(len(self.tables))):
+            layer = self.tables[i]
+            if any(id(v) in updated for v in layer.variables):
+                # Reading the variables orders the push after their updates.
+                reads = [v.read_value() for v in layer.variables]
+                with tf.control_dependencies(reads):
+                    tf.py_function(functools.partial(self._push, i), [],
+                                   tf.bool, name=f"geeps_push_{i}")
+        return result
+
+    # ------------------------------------------------------------ tables
+    def build(self):
+        """Creates one table per layer from the tracked trainable variables.
+
+        Collective: every worker builds the same tables in the same order
+        (the same model code creates the same variables). Worker 0's values
+        initialise the tables; the others take them at their first pull.
+        """
+        groups = {}
+        for variable in self._candidates:
+            key = (layer_name(variable), variable.dtype.name)
+            groups.setdefault(key, []).append(variable)
+        self._candidates = []
+        for (name, dtype), variables in groups.items():
+            layout = ops.PackLayout(variables)
+            total = layout.total_size
+            width = row_width(total, self.max_row_width)
+            init = ops.pack(variables, layout).numpy() \
+                if self.client.worker_id == self.client.initializer else None
+            table_name = name if dtype == "float32" else f"{name}:{dtype}"
+            table = self.client.create_table(table_name, total // width,
+                                             width, dtype, init=init)
+            self.tables.append(LayerTable(name, variables, table, layout))
+
+    def table_report(self):
+        """A printable list of the tables: layer, rows x width, bytes, shards."""
+        lines = [f"{'table':<40} {'rows x width':>16} {'bytes':>12} shards"]
+        for layer in self.tables:
+            t = layer.table
+            lines.append(f"{layer.name[:40]:<40} {t.rows:>8} x {t.width:<6}"
+                         f" {t.nbytes:>12,} "
+                         f"{','.join(str(s) for s, _, _ in t.parts)}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------ eager pull / push
+    def _pull(self, index, full=False):
+        """Brings table `index` into its variables if the shards have news."""
+        layer = self.tables[index]
+        table = layer.table
+        started = time.perf_counter()
+        clock = table.clock + self.client.slack if full else None
+        with self._lock:
+            self.client.wait_fresh(table, clock=clock)
+        waited = time.perf_counter() - started
+        self.pull_wait_seconds += waited
+        if tuple(table.ages) == layer.pulled_ages and \
+                layer.snapshot is not None:
+            if layer.snapshot_stale:  # own updates stay; re-base the delta
+                layer.snapshot = ops.pack(layer.variables, layer.layout)
+                layer.snapshot_stale = False
+            self.pull_seconds += time.perf_counter() - started
+            return True
+        buffer = layer.next_buffer()
+        with self._lock:
+            self.client.read(table, out=buffer.reshape(table.rows,
+                                                       table.width))
+        layer.pulled_ages = tuple(table.last_read_ages)
+        self.max_staleness = max(self.max_staleness,
+                                 table.clock - table.last_read_age)
+        snapshot = tf.convert_to_tensor(buffer)
+        ops.unpack(snapshot, layer.variables, layer.layout)
+        layer.snapshot = snapshot
+        layer.snapshot_stale = False
+        self.pull_seconds += time.perf_counter() - started
+        return True
+
+    def _push(self, index):
+        """Sends the step's update of table `index` and clocks it."""
+        started = time.perf_counter()
+        layer = self.tables[index]
+        table = layer.table
+        delta = ops.pack(layer.variables, layer.layout,
+                         snapshot=layer.snapshot)
+        if self.scale != 1.0:
+            delta = delta * tf.constant(self.scale, delta.dtype)
+        rows = delta.numpy().reshape(table.rows, table.width)
+        with self._lock:
+            self.client.update(table, rows, copy=False)
+            self.client.clock([table])
+        layer.snapshot_stale = True
+        if index == 0:
+            self.steps += 1
+        self.push_seconds += time.perf_counter() - started
+        return True
+
+    def pull_all(self, full=False):
+        """Eagerly pulls every table (`full`: wait for every worker's last
+        clock, ignoring the slack, as at the end of training)."""
+        for index in range(len(self.tables)):
+            self._pull(index, full=full)
+
+    def push_all(self):
+        """Eagerly pushes every table's update since the last pull, and
+        clocks it (for hand-written loops outside `strategy.run`)."""
+        for index in reversed(range(len(self.tables))):
+            self._push(index)
+
+    def stats(self):
+        """This worker's parameter-server figures."""
+        figures = self.client.stats()
+        figures.update(pull_wait_seconds=self.pull_wait_seconds,
+                       pull_seconds=self.pull_seconds,
+                       push_seconds=self.push_seconds, steps=self.steps,
+                       max_staleness=self.max_staleness,
+                       tables=len(self.tables))
+        return figures

@@ -1,0 +1,116 @@
+"""A `model.fit` worker on sklearn's digits for the multi-process tests.
+
+Run under `keras-geeps launch`; writes its final weights, history and
+parameter-server figures to --out/worker<w>.npz / .json.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+import keras_geeps  # noqa: E402
+
+
+def digits():
+    data = load_digits()
+    x = (data.data / 16.0).astype("float32")
+    y = data.target.astype("int64")
+    return x, y
+
+
+def build_model():
+    return keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu", name="hidden"),
+        keras.layers.Dense(10, name="logits"),
+    ])
+
+
+def compile_model(model, optimizer, lr, steps_per_execution):
+    opt = (keras.optimizers.SGD(lr) if optimizer == "sgd"
+           else keras.optimizers.Adam(lr))
+    model.compile(optimizer=opt, jit_compile=False,
+                  loss=keras.losses.SparseCategoricalCrossentropy(
+                      from_logits=True),
+                  metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution)
+
+
+class DieAt(keras.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch >= self.step:
+            print("dying on purpose", flush=True)
+            os._exit(7)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--slack", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--max-steps", type=int, default=0)
+    parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--save", action="store_true")
+    parser.add_argument("--die-worker", type=int, default=-1)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+
+    keras.utils.set_random_seed(0)
+    strategy = keras_geeps.GeePSStrategy(slack=args.slack,
+                                         timeout=args.timeout)
+    w = strategy.worker_id
+    x, y = digits()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+    if args.max_steps:
+        ds = ds.take(args.max_steps * strategy.num_workers)
+    with strategy.scope():
+        model = build_model()
+        compile_model(model, args.optimizer, args.lr,
+                      args.steps_per_execution)
+    callbacks = strategy.callbacks()
+    if w == args.die_worker:
+        callbacks.append(DieAt(3))
+    history = model.fit(
+        strategy.distribute_dataset(ds), epochs=args.epochs, verbose=2,
+        callbacks=callbacks,
+        validation_data=(x[:200], y[:200]) if args.validate else None)
+    result = {"worker": w, "history": history.history,
+              "stats": strategy.ps_stats()}
+    if args.validate:
+        result["evaluate"] = model.evaluate(x, y, verbose=0,
+                                            return_dict=True)
+        predictions = model.predict(x[:50], verbose=0)
+        result["predict_accuracy"] = float(
+            (predictions.argmax(1) == y[:50]).mean())
+    if args.save:
+        path = os.path.join(args.out, f"model{w}.keras")
+        model.save(path)
+        reloaded = keras.models.load_model(path)
+        result["reload_max_diff"] = max(
+            float(np.abs(a - b).max()) for a, b in
+            zip(model.get_weights(), reloaded.get_weights()))
+    np.savez(os.path.join(args.out, f"worker{w}.npz"), *model.get_weights())
+    with open(os.path.join(args.out, f"worker{w}.json"), "w") as f:
+        json.dump(result, f, default=float)
+    strategy.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

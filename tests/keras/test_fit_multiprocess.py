@@ -1,0 +1,95 @@
+"""`model.fit` on 2 worker processes x 2 shard processes, on sklearn digits."""
+
+import io
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from keras_geeps.launch import launch
+
+pytestmark = pytest.mark.slow
+WORKER = [sys.executable, "-m", "tests.keras.fit_worker"]
+
+
+def _run(tmp_path, *args, workers=2, shards=2, expect=0):
+    output = io.StringIO()
+    code = launch(WORKER + ["--out", str(tmp_path), *args],
+                  num_workers=workers, num_shards=shards, output=output)
+    assert code == expect, output.getvalue()[-4000:]
+    if expect:
+        return output.getvalue()
+    results = []
+    for w in range(workers):
+        weights = np.load(tmp_path / f"worker{w}.npz")
+        results.append((
+            [weights[f"arr_{i}"] for i in range(len(weights.files))],
+            json.loads((tmp_path / f"worker{w}.json").read_text())))
+    return results
+
+
+def _reference_weights(batch, steps, lr):
+    """One process, plain Keras, the combined batch (2 x batch)."""
+    import keras  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    from tests.keras import fit_worker  # noqa: PLC0415
+    keras.utils.set_random_seed(0)
+    x, y = fit_worker.digits()
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * batch)
+    model = fit_worker.build_model()
+    fit_worker.compile_model(model, "sgd", lr, 1)
+    model.fit(ds.take(steps), epochs=1, verbose=0)
+    return model.get_weights()
+
+
+def test_bsp_sgd_equals_one_process_with_combined_batch(tmp_path):
+    steps, batch, lr = 12, 16, 0.2
+    results = _run(tmp_path, "--batch", str(batch), "--lr", str(lr),
+                   "--max-steps", str(steps), "--steps-per-execution", "4")
+    (w0, r0), (w1, r1) = results
+    assert r0["stats"]["clock"] == r1["stats"]["clock"] == steps
+    for a, b in zip(w0, w1):  # identical on every worker
+        np.testing.assert_array_equal(a, b)
+    reference = _reference_weights(batch, steps, lr)
+    moved = max(float(np.abs(a - b).max()) for a, b in
+                zip(reference, _reference_weights(batch, 0, lr)))
+    assert moved > 0.01  # training really changed the weights
+    for ours, ref in zip(w0, reference):
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("slack", [1, 2, 1000])
+def test_ssp_and_async_converge_within_the_bound(tmp_path, slack):
+    results = _run(tmp_path, "--slack", str(slack), "--epochs", "4",
+                   "--optimizer", "adam", "--lr", "0.01")
+    for weights, result in results:
+        losses = result["history"]["loss"]
+        assert losses[-1] < 0.45, losses  # from ~2.3 at the start
+        assert losses[-1] < losses[0]
+        # "Async" (slack 1000) is capped by the shards' max_pending_clocks.
+        assert result["stats"]["max_staleness"] <= min(slack, 64)
+    for a, b in zip(results[0][0], results[1][0]):  # final sync
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fit_features_validation_evaluate_predict_save(tmp_path):
+    results = _run(tmp_path, "--epochs", "2", "--steps-per-execution", "4",
+                   "--validate", "--save", "--optimizer", "adam", "--lr",
+                   "0.01")
+    for _, result in results:
+        history = result["history"]
+        assert {"val_loss", "val_accuracy", "ps_wait_s", "ps_sent_mb",
+                "ps_data_age"} <= set(history)
+        assert len(history["loss"]) == 2
+        assert result["evaluate"]["accuracy"] > 0.85
+        assert result["predict_accuracy"] > 0.8
+        assert result["reload_max_diff"] == 0.0
+        assert history["ps_sent_mb"][0] > 0
+
+
+def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
+    text = _run(tmp_path, "--die-worker", "1", "--timeout", "5",
+                "--epochs", "3", expect=7)
+    assert "worker 1 (pid" in text and "exited with code 7" in text
