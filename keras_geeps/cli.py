@@ -23,22 +23,18 @@ def _cmd_launch(args):
     return launch(command, num_workers=args.workers, num_shards=args.shards)
 
 
-def _admin_client(addresses, timeout):
+def _ask_all(addresses, msg_type, timeout):
+    """Sends one admin request (STATS, STOP) to every shard; their replies."""
     from keras_geeps.client.connection import Future, IOThread  # noqa
     from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
-    spec = ClusterSpec(addresses.split(","))
-    return spec, IOThread(spec.shards, lambda *a: None, name="geeps-admin"), \
-        Future
-
-
-def _ask_all(addresses, msg_type, timeout):
     from keras_geeps.errors import GeePSTimeoutError  # noqa: PLC0415
     from keras_geeps.protocol import Message  # noqa: PLC0415
-    spec, io, future_type = _admin_client(addresses, timeout)
+    spec = ClusterSpec(addresses.split(","))
+    io = IOThread(spec.shards, lambda *_: None, name="geeps-admin")
     try:
         replies = []
         for shard, address in enumerate(spec.shards):
-            future = future_type()
+            future = Future()
             io.send(shard, Message(msg_type, seq=1), future)
             if not future.event.wait(timeout):
                 raise GeePSTimeoutError(f"shard {shard} ({address}) did not "

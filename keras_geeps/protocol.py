@@ -49,7 +49,9 @@ class MsgType(enum.IntEnum):
     """Every message type of the protocol.
 
     Worker -> shard requests carry a per-sender sequence number; the shard
-    answers ACK (echoing it), a data reply, or ERROR.
+    answers ACK (echoing it), a data reply, or ERROR. UPDATEs get no ACK of
+    their own: a shard handles a connection's requests in order, so the ACK
+    of the CLOCK that follows them acknowledges them all.
     """
 
     HELLO = 1        # worker registers; meta: num_workers, num_shards

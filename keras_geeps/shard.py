@@ -364,8 +364,9 @@ class ShardServer:
         if kind in (MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK):
             if tracker.seen(message.seq):  # a resend: done already
                 self.stats["duplicates"] += 1
-                self._send(identity, Message(MsgType.ACK, table=message.table,
-                                             seq=message.seq))
+                if kind != MsgType.UPDATE:
+                    self._send(identity, Message(
+                        MsgType.ACK, table=message.table, seq=message.seq))
                 return
             handler(identity, message)
             tracker.mark(message.seq)
@@ -549,9 +550,9 @@ class ShardServer:
             for array in arrays:
                 pending.add(row, array)
                 row += array.shape[0]
+        # No ACK per update: requests are handled in order, so the ACK of
+        # the CLOCK that follows acknowledges every update before it.
         self.stats["updates_applied"] += 1
-        self._send(identity, Message(MsgType.ACK, table=table.id,
-                                     seq=message.seq))
 
     def _clock(self, identity, message):
         table = self._tables.get(message.table)

@@ -381,7 +381,8 @@ class GeePSClient:
             self._cond.notify_all()
 
     # ----------------------------------------------------- reads, updates
-    def _handle_for(self, what, kind):
+    def handle_for(self, what):
+        """The `AccessHandle` for a table, its name, or a handle itself."""
         if isinstance(what, AccessHandle):
             return what
         if isinstance(what, str):
@@ -406,7 +407,7 @@ class GeePSClient:
             GeePSTimeoutError: naming the shard that does not answer or the
                 workers that are behind, after `timeout` seconds.
         """
-        handle = self._handle_for(what, "read")
+        handle = self.handle_for(what)
         table = handle.table
         clock = table.clock if clock is None else clock
         required = max(0, clock - self.slack)
@@ -443,7 +444,7 @@ class GeePSClient:
             A (rows, width) numpy array (a copy: later pushes do not change
             it).
         """
-        handle = self._handle_for(what, "read")
+        handle = self.handle_for(what)
         table = handle.table
         self.wait_fresh(handle, clock)
         count = table.rows if handle.rows is None else len(handle.rows)
@@ -475,7 +476,7 @@ class GeePSClient:
                 Defaults to True.
         """
         self._raise_async_errors()
-        handle = self._handle_for(what, "update")
+        handle = self.handle_for(what)
         table = handle.table
         count = table.rows if handle.rows is None else len(handle.rows)
         delta = np.asarray(delta)

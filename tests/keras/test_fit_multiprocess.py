@@ -93,3 +93,19 @@ def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
     text = _run(tmp_path, "--die-worker", "1", "--timeout", "5",
                 "--epochs", "3", expect=7)
     assert "worker 1 (pid" in text and "exited with code 7" in text
+
+
+def test_custom_loop_example_runs(tmp_path):
+    output = io.StringIO()
+    code = launch([sys.executable, "examples/custom_loop.py", "--epochs",
+                   "2", "--out", str(tmp_path)],
+                  num_workers=2, num_shards=2, output=output)
+    assert code == 0, output.getvalue()[-4000:]
+    results = [json.loads((tmp_path / f"custom{w}.json").read_text())
+               for w in range(2)]
+    weights = [np.load(tmp_path / f"custom{w}.npz") for w in range(2)]
+    for name in weights[0].files:  # same parameters after strategy.sync()
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])
+    for result in results:
+        assert result["final_loss"] < 0.6 and result["accuracy"] > 0.85
+        assert result["clock"] == result["steps"] > 0

@@ -1,0 +1,167 @@
+"""`model.fit` images/s: plain Keras vs GeePS (1 worker, 2x2 BSP and SSP).
+
+For a ~1 M and a ~10 M parameter MLP (synthetic 784-feature inputs: this
+measures throughput, not accuracy), one run measures
+  - plain single-process `model.fit` (no strategy),
+  - GeePS with 1 worker + 1 shard (BSP),
+  - GeePS with 2 workers x 2 shards, BSP and SSP (slack 1),
+each as its own process(es), timing the second epoch (the first traces and
+warms up). Per-step time waiting for parameters comes from the strategy.
+
+Usage:
+    python benchmarks/fit_bench.py [--steps 40] [--batch 128] [--models 1M 10M]
+
+The last line is a JSON object; `one_worker_vs_plain` is the 10 M model's
+GeePS 1-worker images/s over plain images/s (target >= 0.9).
+"""
+
+import argparse
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+MODELS = {"1M": [1024, 256], "10M": [2048, 2048, 2048]}
+
+
+def worker_main(args):
+    """Child mode: train one configuration and write its figures."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    import tensorflow as tf  # noqa: PLC0415
+
+    keras.utils.set_random_seed(0)
+    strategy = None
+    if args.geeps:
+        import keras_geeps  # noqa: PLC0415
+        strategy = keras_geeps.GeePSStrategy(slack=args.slack)
+    workers = strategy.num_workers if strategy else 1
+    rng = np.random.default_rng(0)
+    x = rng.random((args.steps * args.batch * workers, 784), np.float32)
+    y = rng.integers(0, 10, len(x))
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
+    ds = strategy.distribute_dataset(ds) if strategy else ds
+    ds = ds.cache().prefetch(4)
+
+    def build():
+        layers = [keras.Input((784,))]
+        layers += [keras.layers.Dense(u, activation="relu")
+                   for u in MODELS[args.model]]
+        model = keras.Sequential(layers + [keras.layers.Dense(10)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(
+                          from_logits=True), jit_compile=False,
+                      steps_per_execution=args.steps_per_execution)
+        return model
+
+    if strategy:
+        with strategy.scope():
+            model = build()
+    else:
+        model = build()
+    times = []
+
+    class EpochTimer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.append(time.perf_counter() - self.start)
+
+    callbacks = [EpochTimer()] + (strategy.callbacks() if strategy else [])
+    before = None
+    model.fit(ds, epochs=1, verbose=0, callbacks=callbacks)
+    if strategy:
+        before = strategy.ps_stats()
+    model.fit(ds, epochs=1, verbose=0, callbacks=callbacks)
+    figures = {"images_per_s": args.steps * args.batch / times[-1],
+               "params": int(model.count_params())}
+    if strategy:
+        after = strategy.ps_stats()
+        steps = max(1, after["steps"] - before["steps"])
+        figures["wait_ms_per_step"] = 1e3 * (
+            after["pull_wait_seconds"] - before["pull_wait_seconds"]) / steps
+        figures["sync_ms_per_step"] = 1e3 * (
+            (after["pull_seconds"] - before["pull_seconds"])
+            + (after["push_seconds"] - before["push_seconds"])) / steps
+        figures["worker"] = strategy.worker_id
+        strategy.close()
+    with open(os.path.join(args.out, f"fig{figures.get('worker', 0)}.json"),
+              "w") as f:
+        json.dump(figures, f)
+
+
+def run_config(args, model, workers=0, shards=0, slack=0):
+    """Runs one configuration; returns the workers' figures."""
+    from keras_geeps.launch import launch  # noqa: PLC0415
+    with tempfile.TemporaryDirectory() as out:
+        command = [sys.executable, __file__, "--worker", "--out", out,
+                   "--model", model, "--steps", str(args.steps), "--batch",
+                   str(args.batch), "--steps-per-execution",
+                   str(args.steps_per_execution), "--slack", str(slack)]
+        if workers:
+            log = io.StringIO()
+            code = launch(command + ["--geeps"], num_workers=workers,
+                          num_shards=shards, output=log)
+            if code:
+                raise RuntimeError(log.getvalue()[-3000:])
+        else:
+            subprocess.run(command, check=True)
+        return [json.load(open(os.path.join(out, name)))
+                for name in sorted(os.listdir(out))]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["1M", "10M"])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--worker", action="store_true",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--geeps", action="store_true",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="1M", help=argparse.SUPPRESS)
+    parser.add_argument("--slack", type=int, default=0,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args)
+        return
+    results = {}
+    for model in args.models:
+        plain = run_config(args, model)[0]
+        one = run_config(args, model, 1, 1)[0]
+        bsp = run_config(args, model, 2, 2, slack=0)
+        ssp = run_config(args, model, 2, 2, slack=1)
+        row = {
+            "params": plain["params"],
+            "plain_images_per_s": round(plain["images_per_s"], 1),
+            "one_worker_images_per_s": round(one["images_per_s"], 1),
+            "one_worker_vs_plain": round(one["images_per_s"]
+                                         / plain["images_per_s"], 3),
+            "one_worker_wait_ms_per_step": round(one["wait_ms_per_step"], 2),
+            "one_worker_sync_ms_per_step": round(one["sync_ms_per_step"], 2),
+            "bsp_2x2_images_per_s": round(sum(f["images_per_s"]
+                                              for f in bsp), 1),
+            "bsp_2x2_wait_ms_per_step": round(max(f["wait_ms_per_step"]
+                                                  for f in bsp), 2),
+            "ssp1_2x2_images_per_s": round(sum(f["images_per_s"]
+                                               for f in ssp), 1),
+            "ssp1_2x2_wait_ms_per_step": round(max(f["wait_ms_per_step"]
+                                                   for f in ssp), 2),
+        }
+        results[model] = row
+        print(f"{model}: {json.dumps(row)}", flush=True)
+    summary = {"one_worker_vs_plain": results.get("10M", {}).get(
+        "one_worker_vs_plain"), "models": results}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
