@@ -98,7 +98,7 @@ def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
 def test_custom_loop_example_runs(tmp_path):
     output = io.StringIO()
     code = launch([sys.executable, "examples/custom_loop.py", "--epochs",
-                   "2", "--out", str(tmp_path)],
+                   "4", "--out", str(tmp_path)],
                   num_workers=2, num_shards=2, output=output)
     assert code == 0, output.getvalue()[-4000:]
     results = [json.loads((tmp_path / f"custom{w}.json").read_text())
@@ -107,5 +107,6 @@ def test_custom_loop_example_runs(tmp_path):
     for name in weights[0].files:  # same parameters after strategy.sync()
         np.testing.assert_array_equal(weights[0][name], weights[1][name])
     for result in results:
-        assert result["final_loss"] < 0.6 and result["accuracy"] > 0.85
+        # Loss starts near 2.3; 4 epochs of SGD bring it under 0.5.
+        assert result["final_loss"] < 0.5 and result["accuracy"] > 0.85
         assert result["clock"] == result["steps"] > 0
