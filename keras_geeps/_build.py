@@ -38,6 +38,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -203,7 +204,7 @@ def _run(command, cwd):
 def _compile_and_link(src_root, out_dir, cuda):
     """Compiles every source into `out_dir` and links LIBRARY_NAME there."""
     import tensorflow as tf  # noqa: PLC0415
-    cxx = os.environ.get("CXX", "g++")
+    cxx = shlex.split(os.environ.get("CXX", "g++"))
     # TensorFlow's headers as system headers: their warnings are not ours.
     tf_flags = [f"-isystem{f[2:]}" if f.startswith("-I") else f
                 for f in tf.sysconfig.get_compile_flags()]
@@ -213,7 +214,8 @@ def _compile_and_link(src_root, out_dir, cuda):
     commands = []
     objects = []
     for path in _source_files(src_root):
-        if path.suffix in (".h", ".cuh") or (_is_cuda_source(path) and not cuda):
+        if path.suffix in (".h", ".cuh") or (
+                _is_cuda_source(path) and not cuda):
             continue
         obj = out_dir / (path.relative_to(src_root).as_posix()
                          .replace("/", "__") + ".o")
@@ -230,12 +232,13 @@ def _compile_and_link(src_root, out_dir, cuda):
                              "-Xcompiler", "-fPIC", *gencode, "-c", str(path),
                              "-o", str(obj)])
         else:
-            commands.append([cxx, *cxx_flags, "-c", str(path), "-o", str(obj)])
+            commands.append([*cxx, *cxx_flags, "-c", str(path), "-o",
+                             str(obj)])
     jobs = max(1, min(MAX_JOBS, os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         for future in [pool.submit(_run, c, out_dir) for c in commands]:
             future.result()
-    link = [cxx, "-shared", "-o", str(out_dir / LIBRARY_NAME),
+    link = [*cxx, "-shared", "-o", str(out_dir / LIBRARY_NAME),
             *map(str, objects), *tf.sysconfig.get_link_flags()]
     cuda_version = None
     if cuda:
@@ -284,12 +287,16 @@ def build(force=False, cuda=None):
     key = build_key(cuda)
     final = root / key
     library = final / LIBRARY_NAME
-    if not force and library.is_file() and (final / INFO_NAME).is_file():
+
+    def cached():
+        return library.is_file() and (final / INFO_NAME).is_file()
+
+    if not force and cached():
         return str(library)
     lock = filelock.FileLock(str(root / f"{key}.lock"), timeout=LOCK_TIMEOUT_S)
     try:
         with lock:
-            if not force and library.is_file() and (final / INFO_NAME).is_file():
+            if not force and cached():
                 return str(library)  # built by another process meanwhile
             staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}-",
                                                     dir=root))
@@ -318,12 +325,31 @@ def build(force=False, cuda=None):
                 os.replace(staging, final)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
+            if root == _PACKAGE_DIR / "_lib":
+                _prune_stale(root, key)
     except filelock.Timeout as exc:
         raise BuildError(
             f"keras_geeps: waited {LOCK_TIMEOUT_S} s for another process "
             f"building the ops (lock {lock.lock_file}); remove the lock file "
             "if no build is running") from exc
     return str(library)
+
+
+def _prune_stale(root, key):
+    """Removes this checkout's builds of older sources (same TF and kind).
+
+    Only in the package's own `_lib/`: a shared cache folder may serve other
+    checkouts whose sources differ. A process that loaded a removed library
+    keeps its mapping.
+    """
+    prefix = key.rsplit("-", 1)[0] + "-"
+    for path in root.glob(prefix + "*"):
+        if path.name.startswith(key):
+            continue
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.suffix == ".lock":
+            path.unlink(missing_ok=True)
 
 
 def build_info(library_path):
@@ -356,8 +382,9 @@ def main(argv=None):
         return 1
     info = build_info(path)
     kind = f"CUDA {info.get('cuda_version')}" if info.get("cuda") else "CPU"
+    seconds = time.monotonic() - start
     print(f"keras_geeps ops ({kind} kernels, TensorFlow "
-          f"{info.get('tf_version')}) ready in {time.monotonic() - start:.1f} s:")
+          f"{info.get('tf_version')}) ready in {seconds:.1f} s:")
     print(path)
     return 0
 

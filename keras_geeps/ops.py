@@ -89,7 +89,8 @@ def _resource_variable(value):
         return value
     if not resource_variable_ops.is_resource_variable(value):
         return None
-    for inner in (getattr(value, "value", None), getattr(value, "_value", None)):
+    for name in ("value", "_value"):
+        inner = getattr(value, name, None)
         if isinstance(inner, resource_variable_ops.BaseResourceVariable):
             return inner
     raise TypeError(
@@ -128,7 +129,8 @@ def gather_rows(table, indices):
             allowed.
 
     Returns:
-        A tensor `[len(indices), width]` of the table's dtype. Its gradient
+        A tensor `[len(indices), width]` of the table's dtype (a
+        keras.Variable is read at its own dtype, not autocast). Its gradient
         with respect to the table is an `IndexedSlices`.
 
     Example:
@@ -161,7 +163,7 @@ def _resource_gather_rows_grad(op, grad):
 
 
 def scatter_add_rows(variable, indices, updates):
-    """Adds rows into a variable in place: `variable[indices[i], :] += updates[i, :]`.
+    """Adds rows into a variable in place: `variable[indices[i]] += updates[i]`.
 
     GeePS applies an update batch as one kernel into the parameter cache or
     the update log. Duplicate indices accumulate. The add runs under the
@@ -177,8 +179,8 @@ def scatter_add_rows(variable, indices, updates):
             dtype.
 
     Returns:
-        None when executing eagerly; the op in a graph (for control
-        dependencies).
+        None eagerly and inside tf.function (where automatic control
+        dependencies order it); the Operation in a tf.compat.v1 graph.
 
     Example:
 
@@ -190,8 +192,9 @@ def scatter_add_rows(variable, indices, updates):
     variable = _require_variable(variable, "variable")
     indices = _indices(indices)
     updates = tf.convert_to_tensor(updates, dtype=variable.dtype)
-    return _gen.geeps_resource_scatter_add_rows(variable.handle, indices,
-                                                updates)
+    op = _gen.geeps_resource_scatter_add_rows(variable.handle, indices,
+                                              updates)
+    return None if tf.inside_function() else op
 
 
 class PackLayout:
@@ -220,7 +223,8 @@ class PackLayout:
     Example:
 
     ```python
-    layout = PackLayout([tf.Variable(tf.zeros([2, 3])), tf.Variable(tf.zeros([4]))])
+    weights = [tf.Variable(tf.zeros([2, 3])), tf.Variable(tf.zeros([4]))]
+    layout = PackLayout(weights)
     layout.offsets, layout.total_size  # (0, 6), 10
     ```
     """
@@ -376,15 +380,16 @@ def unpack(buffer, variables, layout, mode="assign"):
             into them. Defaults to "assign".
 
     Returns:
-        None when executing eagerly; the op in a graph.
+        None eagerly and inside tf.function (where automatic control
+        dependencies order it); the Operation in a tf.compat.v1 graph.
 
     Example:
 
     ```python
     weights = [tf.Variable(tf.zeros([2, 2])), tf.Variable(tf.zeros([3]))]
     layout = PackLayout(weights)
-    unpack(tf.range(7.0), weights, layout)              # weights[1] == [4, 5, 6]
-    unpack(tf.ones([7]), weights, layout, mode="add")   # weights[1] == [5, 6, 7]
+    unpack(tf.range(7.0), weights, layout)             # weights[1]: [4, 5, 6]
+    unpack(tf.ones([7]), weights, layout, mode="add")  # weights[1]: [5, 6, 7]
     ```
     """
     if mode not in ("assign", "add"):
@@ -392,8 +397,9 @@ def unpack(buffer, variables, layout, mode="assign"):
     variables = [_require_variable(v, "every variable") for v in variables]
     _check_layout(variables, layout)
     buffer = tf.convert_to_tensor(buffer, dtype=layout.dtype)
-    return _gen.geeps_unpack(buffer, [v.handle for v in variables],
-                             sizes=list(layout.sizes), mode=mode)
+    op = _gen.geeps_unpack(buffer, [v.handle for v in variables],
+                           sizes=list(layout.sizes), mode=mode)
+    return None if tf.inside_function() else op
 
 
 tf.no_gradient("Geeps>Unpack")
@@ -418,9 +424,9 @@ def swap_out(tensor):
     Example:
 
     ```python
-    with tf.device("GPU:0"):
-        host = swap_out(activations)   # free to drop `activations` now
-        again = swap_in(host)          # back on the GPU when needed
+    activations = tf.random.normal([1000, 100])
+    host = swap_out(activations)  # host memory (pinned, on a GPU)
+    del activations               # its device memory can be reused now
     ```
     """
     return _gen.geeps_swap_out(tensor)
@@ -443,8 +449,9 @@ def swap_in(host_tensor):
     Example:
 
     ```python
-    with tf.device("GPU:0"):
-        weights = swap_in(host_weights)
+    host = swap_out(tf.ones([4, 4]))
+    with tf.device("/CPU:0"):     # or "/GPU:0" to bring it back to a GPU
+        again = swap_in(host)
     ```
     """
     return _gen.geeps_swap_in(host_tensor)

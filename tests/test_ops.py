@@ -1,0 +1,499 @@
+"""keras_geeps.ops against numpy / tf.gather / tf.tensor_scatter_nd_add.
+
+Every op over dtypes, index dtypes and shapes (empty, single row, repeats),
+eagerly, in tf.function and inside a Keras fit step; invalid input; threads;
+the CUDA build. GPU variants run where TensorFlow sees a GPU (`needs_gpu`).
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keras_geeps import _build, ops
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DTYPES = [tf.float32, tf.float16, tf.bfloat16, tf.float64]
+INDEX_DTYPES = [tf.int32, tf.int64]
+DEVICES = ["CPU", pytest.param("GPU", marks=pytest.mark.needs_gpu)]
+INVALID = tf.errors.InvalidArgumentError
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    with tf.device(f"/{request.param}:0"):
+        yield request.param
+
+
+def _ints(rng, shape, low=-4, high=5):
+    """Small integers: every sum below is exact in float16 and bfloat16."""
+    return rng.integers(low, high, size=shape).astype(np.float32)
+
+
+def _np(tensor):
+    return np.asarray(tensor.numpy(), dtype=np.float64)
+
+
+def _rounded(fn, a, b):
+    """fn(a, b) rounded once into a's dtype, as the kernels compute it (in
+    float for 16-bit types)."""
+    wide = np.float64 if a.dtype == np.float64 else np.float32
+    return fn(a.astype(wide), b.astype(wide)).astype(a.dtype)
+
+
+# (rows, width, n): random orders with repeats, a single row, zero width, an
+# empty table with no indices, no indices, and a size that runs threaded.
+GATHER_SHAPES = [(5, 3, 8), (1, 4, 3), (6, 0, 4), (0, 3, 0), (7, 5, 0),
+                 (400, 160, 900)]
+
+
+@pytest.mark.parametrize("rows,width,n", GATHER_SHAPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("source", ["variable", "tensor"])
+def test_gather_rows_matches_tf_gather(device, source, dtype, index_dtype,
+                                       rows, width, n):
+    rng = np.random.default_rng(rows * 1000 + width * 10 + n)
+    values = tf.constant(rng.standard_normal((rows, width)), dtype=dtype)
+    indices = tf.constant(rng.integers(0, max(rows, 1), size=n),
+                          dtype=index_dtype)
+    table = tf.Variable(values) if source == "variable" else values
+    got = ops.gather_rows(table, indices)
+    assert got.dtype == dtype and got.shape == (n, width)
+    np.testing.assert_array_equal(_np(got), _np(tf.gather(values, indices)))
+    np.testing.assert_array_equal(_np(got),
+                                  _np(values)[indices.numpy().astype(np.int64)])
+
+
+SCATTER_SHAPES = [(5, 3, 12), (1, 4, 5), (6, 0, 4), (4, 3, 0), (0, 2, 0),
+                  (300, 256, 2000)]
+
+
+@pytest.mark.parametrize("rows,width,n", SCATTER_SHAPES)
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_add_rows_matches_tensor_scatter_nd_add(device, dtype,
+                                                        index_dtype, rows,
+                                                        width, n):
+    rng = np.random.default_rng(rows * 1000 + width * 10 + n)
+    initial = tf.constant(_ints(rng, (rows, width)), dtype=dtype)
+    updates = tf.constant(_ints(rng, (n, width)), dtype=dtype)
+    # The big case hits only 7 distinct rows: most of its indices repeat.
+    distinct = max(1, min(rows, 7) if n > 100 else rows)
+    indices = tf.constant(rng.integers(0, distinct, size=n), dtype=index_dtype)
+    variable = tf.Variable(initial)
+    assert ops.scatter_add_rows(variable, indices, updates) is None
+    if rows * width:  # TF refuses indices into an empty tensor
+        expected = tf.tensor_scatter_nd_add(initial, indices[:, None], updates)
+        np.testing.assert_array_equal(_np(variable), _np(expected))
+    reference = _np(initial)
+    np.add.at(reference, indices.numpy().astype(np.int64), _np(updates))
+    np.testing.assert_array_equal(_np(variable), reference)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 40), width=st.integers(0, 9),
+       indices=st.lists(st.integers(0, 39), max_size=60))
+def test_scatter_add_then_gather_property(rows, width, indices):
+    indices = [i % rows for i in indices]
+    rng = np.random.default_rng(len(indices))
+    updates = _ints(rng, (len(indices), width))
+    variable = tf.Variable(tf.zeros([rows, width]))
+    ops.scatter_add_rows(variable, tf.constant(indices, tf.int64), updates)
+    reference = np.zeros((rows, width))
+    np.add.at(reference, np.array(indices, dtype=np.int64), updates)
+    np.testing.assert_array_equal(variable.numpy(), reference)
+    np.testing.assert_array_equal(
+        ops.gather_rows(variable, tf.constant(indices, tf.int32)).numpy(),
+        reference[np.array(indices, dtype=np.int64)])
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+def test_gather_rows_gradient_matches_numeric(dtype):
+    params = tf.constant(np.random.default_rng(0).standard_normal((5, 3)),
+                         dtype=dtype)
+    indices = tf.constant([4, 0, 4, 2])
+    theoretical, numerical = tf.test.compute_gradient(
+        lambda p: ops.gather_rows(p, indices), [params])
+    np.testing.assert_allclose(theoretical[0], numerical[0],
+                               atol=1e-3 if dtype == tf.float32 else 1e-8)
+    # Row 4 is gathered twice, row 1 never: the Jacobian says so.
+    assert theoretical[0].sum() == 4 * 3
+
+
+def test_resource_gather_gradient_matches_tf_gather(device):
+    variable = tf.Variable(tf.random.stateless_normal([6, 4], seed=[1, 2]))
+    indices = tf.constant([5, 1, 5, 0], tf.int64)
+    weights = tf.random.stateless_normal([4, 4], seed=[3, 4])
+    with tf.GradientTape() as tape:  # no watch(): the read is recorded
+        ours = tf.reduce_sum(ops.gather_rows(variable, indices) * weights)
+    grad = tape.gradient(ours, variable)
+    assert isinstance(grad, tf.IndexedSlices)
+    with tf.GradientTape() as tape:
+        theirs = tf.reduce_sum(tf.gather(variable, indices) * weights)
+    expected = tape.gradient(theirs, variable)
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(tf.convert_to_tensor(grad).numpy(),
+                               tf.convert_to_tensor(expected).numpy(),
+                               rtol=1e-6)
+
+
+def test_pack_gradient_matches_numeric():
+    a = tf.constant(np.arange(6.0).reshape(2, 3))
+    b = tf.constant([7.0, 8.0], dtype=tf.float64)
+    snapshot = tf.constant(np.ones(8))
+    layout = ops.PackLayout([a, b])
+    weights = tf.constant(np.arange(8.0) + 1)
+    theoretical, numerical = tf.test.compute_gradient(
+        lambda x, y, s: ops.pack([x, y], layout, snapshot=s) * weights,
+        [a, b, snapshot])
+    for t, n in zip(theoretical, numerical):
+        np.testing.assert_allclose(t, n, atol=1e-8)
+    np.testing.assert_array_equal(np.diag(theoretical[0]), np.arange(6) + 1)
+    np.testing.assert_array_equal(np.diag(theoretical[2]), -(np.arange(8) + 1))
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("bad,position", [(-1, 2), (5, 1), (2**31 - 1, 3)])
+def test_invalid_indices_are_named(device, index_dtype, bad, position):
+    table = tf.Variable(tf.ones([5, 2]))
+    indices = [0, 1, 2, 3]
+    indices[position] = bad
+    indices = tf.constant(indices, index_dtype)
+    message = rf"indices\[{position}\] = {bad} is not in \[0, 5\)"
+    with pytest.raises(INVALID, match=message):
+        ops.gather_rows(table, indices)
+    with pytest.raises(INVALID, match=message):
+        ops.gather_rows(tf.ones([5, 2]), indices)
+    with pytest.raises(INVALID, match=message):
+        ops.scatter_add_rows(table, indices, tf.ones([4, 2]))
+    np.testing.assert_array_equal(table.numpy(), np.ones([5, 2]))  # untouched
+    with pytest.raises(INVALID, match=message):
+        tf.function(lambda: ops.gather_rows(table, indices))()
+
+
+def test_invalid_int64_index_is_named_exactly():
+    with pytest.raises(INVALID, match=r"indices\[1\] = 1099511627776 is not"):
+        ops.gather_rows(tf.ones([3, 1]), tf.constant([0, 2**40], tf.int64))
+
+
+def test_mismatched_shapes_are_invalid_argument(device):
+    table = tf.Variable(tf.zeros([4, 3]))
+    with pytest.raises(INVALID, match="must be a matrix"):
+        ops.gather_rows(tf.zeros([4]), [0])
+    with pytest.raises(INVALID, match="indices must be a vector"):
+        ops.gather_rows(table, [[0]])
+    with pytest.raises(INVALID, match="updates has rows of width 2"):
+        ops.scatter_add_rows(table, [0], tf.zeros([1, 2]))
+    with pytest.raises(INVALID, match="updates has 2 rows but indices has 1"):
+        ops.scatter_add_rows(table, [0], tf.zeros([2, 3]))
+    with pytest.raises(INVALID, match=r"the variable must be a matrix"):
+        ops.scatter_add_rows(tf.Variable(tf.zeros([4])), [0], tf.zeros([1, 1]))
+    # The wrappers convert to the variable's dtype; the raw op checks it.
+    with pytest.raises(INVALID, match="the variable has dtype double but the "
+                       "op was given dtype float"):
+        ops._gen.geeps_resource_scatter_add_rows(
+            tf.Variable(tf.zeros([4, 3], tf.float64)).handle, [0],
+            tf.zeros([1, 3]))
+
+
+def test_shape_functions_check_ranks_when_tracing():
+    table = tf.Variable(tf.zeros([4, 3]))
+    with pytest.raises(ValueError, match="must be rank 2"):
+        tf.function(lambda: ops.gather_rows(tf.zeros([4]), [0]))()
+    with pytest.raises(ValueError, match="must be rank 1"):
+        tf.function(lambda: ops.gather_rows(table, [[0]]))()
+    with pytest.raises(ValueError, match="Dimensions must be equal"):
+        tf.function(
+            lambda: ops.scatter_add_rows(table, [0], tf.zeros([1, 2])))()
+    layout = ops.PackLayout([(2, 2)])
+    with pytest.raises(ValueError, match="layout gives it 4 elements"):
+        tf.function(lambda: ops.pack([tf.zeros([3])], layout))()
+    # With shapes unknown at trace time the kernels check instead.
+    gather = tf.function(
+        ops.gather_rows, input_signature=[tf.TensorSpec(None, tf.float32),
+                                          tf.TensorSpec(None, tf.int32)])
+    with pytest.raises(INVALID, match="must be a matrix"):
+        gather(tf.zeros([4]), tf.constant([0]))
+    with pytest.raises(INVALID, match=r"indices\[0\] = 9"):
+        gather(tf.zeros([4, 1]), tf.constant([9]))
+
+
+def _variables(rng, shapes, dtype):
+    return [tf.Variable(tf.constant(rng.standard_normal(s), dtype=dtype))
+            for s in shapes]
+
+
+# A scalar, an empty variable, a single row, and one big enough to run
+# threaded (> 256 KiB).
+PACK_SHAPES = [(3, 4), (), (0, 5), (1, 7), (300, 300), (11,)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_matches_concat(device, dtype):
+    rng = np.random.default_rng(1)
+    variables = _variables(rng, PACK_SHAPES, dtype)
+    layout = ops.PackLayout(variables)
+    assert layout.sizes == (12, 1, 0, 7, 90000, 11)
+    assert layout.offsets == (0, 12, 13, 13, 20, 90020)
+    assert layout.total_size == 90031 and layout.dtype == dtype
+    expected = tf.concat([tf.reshape(v, [-1]) for v in variables], 0)
+    packed = ops.pack(variables, layout)
+    np.testing.assert_array_equal(_np(packed), _np(expected))
+    # Tensors as well as variables, and inside tf.function.
+    tensors = [tf.convert_to_tensor(v) for v in variables]
+    np.testing.assert_array_equal(_np(ops.pack(tensors, layout)), _np(expected))
+    np.testing.assert_array_equal(
+        _np(tf.function(lambda: ops.pack(variables, layout))()), _np(expected))
+    # The delta since a snapshot: rounded once, as numpy does in the dtype.
+    snapshot = tf.constant(rng.standard_normal(layout.total_size), dtype=dtype)
+    want = _rounded(np.subtract, packed.numpy(), snapshot.numpy())
+    np.testing.assert_array_equal(ops.pack(variables, layout, snapshot).numpy(),
+                                  want)
+    np.testing.assert_array_equal(ops.pack(tensors, layout, snapshot).numpy(),
+                                  want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unpack_assign_and_add_match_split(device, dtype):
+    rng = np.random.default_rng(2)
+    variables = _variables(rng, PACK_SHAPES, dtype)
+    layout = ops.PackLayout(variables)
+    before = [v.numpy() for v in variables]
+    buffer = tf.constant(rng.standard_normal(layout.total_size), dtype=dtype)
+    pieces = tf.split(buffer, layout.sizes)
+    ops.unpack(buffer, variables, layout, mode="add")
+    for v, old, piece in zip(variables, before, pieces):
+        want = _rounded(np.add, old, piece.numpy().reshape(old.shape))
+        np.testing.assert_array_equal(v.numpy(), want)
+    ops.unpack(buffer, variables, layout)
+    for v, piece, shape in zip(variables, pieces, layout.shapes):
+        np.testing.assert_array_equal(v.numpy(),
+                                      tf.reshape(piece, shape).numpy())
+    # Round trip through tf.function.
+    doubled = tf.function(
+        lambda: ops.unpack(ops.pack(variables, layout) * 2, variables, layout))
+    doubled()
+    np.testing.assert_array_equal(_np(ops.pack(variables, layout)),
+                                  2 * _np(buffer))
+
+
+def test_unpack_keeps_earlier_reads(device):
+    """Copy-on-write: a value read before an in-place write keeps its value."""
+    variable = tf.Variable(tf.zeros([4, 2]))
+    read = variable.read_value()
+    layout = ops.PackLayout([variable])
+    ops.unpack(tf.ones([8]), [variable], layout, mode="add")
+    ops.scatter_add_rows(variable, [0], [[5.0, 5.0]])
+    np.testing.assert_array_equal(read.numpy(), np.zeros([4, 2]))
+    np.testing.assert_array_equal(variable.numpy()[0], [6.0, 6.0])
+
+
+def test_pack_layout_mismatches_are_invalid_argument(device):
+    a, b = tf.Variable(tf.zeros([2, 2])), tf.Variable(tf.zeros([3]))
+    wrong = ops.PackLayout([(2, 2), (4,)])
+    with pytest.raises(INVALID, match=r"variable 1 has shape \[3\] \(3 elements"
+                       r"\) but the layout gives it 4 elements"):
+        ops.pack([a, b], wrong)
+    a.assign(tf.ones([2, 2]))
+    with pytest.raises(INVALID, match="variable 1 has shape"):
+        ops.unpack(tf.fill([8], 9.0), [a, b], wrong)
+    np.testing.assert_array_equal(a.numpy(), np.ones([2, 2]))  # untouched
+    layout = ops.PackLayout([a, b])
+    with pytest.raises(INVALID, match="buffer has shape \\[6\\] but the layout "
+                       "needs a vector of 7 elements"):
+        ops.unpack(tf.zeros([6]), [a, b], layout)
+    with pytest.raises(INVALID, match="snapshot has shape"):
+        ops.pack([a, b], layout, snapshot=tf.zeros([5]))
+    with pytest.raises(INVALID, match="variables 0 and 1 are the same"):
+        ops.unpack(tf.zeros([8]), [a, a], ops.PackLayout([a, a]))
+    c = tf.Variable(tf.zeros([3], tf.float64))
+    with pytest.raises(INVALID, match="variable 1 has dtype double"):
+        ops.pack([a, c], ops.PackLayout([(2, 2), (3,)], dtype=tf.float32))
+    with pytest.raises(ValueError, match="2 segments but 1 variables"):
+        ops.pack([a], layout)
+    with pytest.raises(ValueError, match="share one dtype"):
+        ops.PackLayout([a, c])
+    with pytest.raises(ValueError, match="'assign' or 'add'"):
+        ops.unpack(tf.zeros([7]), [a, b], layout, mode="sub")
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [tf.int32, tf.int64, tf.uint8])
+@pytest.mark.parametrize("shape", [(3, 5), (), (0, 4), (200, 1000)])
+def test_swap_out_and_in_copy_exactly(dtype, shape):
+    rng = np.random.default_rng(3)
+    value = tf.cast(tf.constant(rng.integers(0, 100, size=shape)), dtype)
+    host = ops.swap_out(value)
+    assert host.dtype == dtype and host.shape == shape
+    assert "CPU" in host.device
+    back = ops.swap_in(host)
+    np.testing.assert_array_equal(host.numpy(), value.numpy())
+    np.testing.assert_array_equal(back.numpy(), value.numpy())
+    roundtrip = tf.function(lambda x: ops.swap_in(ops.swap_out(x)))
+    np.testing.assert_array_equal(roundtrip(value).numpy(), value.numpy())
+
+
+@pytest.mark.needs_gpu
+def test_swap_moves_between_gpu_and_host():
+    with tf.device("/GPU:0"):
+        value = tf.random.stateless_normal([1000, 100], seed=[5, 6])
+        host = ops.swap_out(value)
+        back = ops.swap_in(host)
+    assert "CPU" in host.device and "GPU" in back.device
+    np.testing.assert_array_equal(back.numpy(), value.numpy())
+
+
+def test_concurrent_scatter_adds_lose_nothing():
+    rows, width, calls, threads = 64, 256, 15, 8
+    variable = tf.Variable(tf.zeros([rows, width]))
+    plans = [np.random.default_rng(t).integers(0, rows, size=(calls, 512))
+             for t in range(threads)]
+    errors = []
+
+    def worker(plan):
+        try:
+            for indices in plan:
+                ops.scatter_add_rows(variable, indices,
+                                     tf.ones([len(indices), width]))
+        except Exception as exc:  # reported below, not swallowed
+            errors.append(exc)
+
+    pool = [threading.Thread(target=worker, args=(p,)) for p in plans]
+    for thread in pool:
+        thread.start()
+    for thread in pool:
+        thread.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in pool)
+    counts = np.bincount(np.concatenate([p.ravel() for p in plans]),
+                         minlength=rows)
+    np.testing.assert_array_equal(variable.numpy(),
+                                  np.repeat(counts[:, None], width, axis=1))
+
+
+def test_keras_fit_step_with_gather_pack_and_unpack():
+    keras = pytest.importorskip("keras")
+
+    class Lookup(keras.layers.Layer):
+        """An embedding whose read is ops.gather_rows (or tf.gather)."""
+
+        def __init__(self, gather, **kwargs):
+            super().__init__(**kwargs)
+            self.gather = gather
+
+        def build(self, input_shape):
+            self.table = self.add_weight(
+                shape=(10, 4), initializer=keras.initializers.RandomNormal(
+                    seed=1), name="table")
+
+        def call(self, ids):
+            return self.gather(self.table, tf.reshape(ids, [-1]))
+
+    class MirroredModel(keras.Model):
+        """Each step packs the update it made and adds it into a mirror."""
+
+        def train_step(self, data):
+            x, y = data
+            snapshot = ops.pack(self.trainable_variables, self.layout)
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+            grads = tape.gradient(loss, self.trainable_variables)
+            self.optimizer.apply(grads, self.trainable_variables)
+            delta = ops.pack(self.trainable_variables, self.layout, snapshot)
+            ops.unpack(delta, self.mirror, self.layout, mode="add")
+            return {"loss": loss}
+
+    def make(gather, cls):
+        ids = keras.Input(shape=(1,), dtype="int32")
+        hidden = Lookup(gather)(ids)
+        out = keras.layers.Dense(1, kernel_initializer=keras.initializers
+                                 .GlorotUniform(seed=2))(hidden)
+        model = cls(ids, out)
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+        return model
+
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, 10, size=(64, 1)).astype(np.int32)
+    y = rng.standard_normal((64, 1)).astype(np.float32)
+    ours = make(ops.gather_rows, MirroredModel)
+    ours.layout = ops.PackLayout(ours.trainable_variables)
+    ours.mirror = [tf.Variable(v.numpy()) for v in ours.trainable_variables]
+    theirs = make(tf.gather, keras.Model)
+    theirs.set_weights(ours.get_weights())
+    start = ours.get_weights()
+    history = ours.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    theirs.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert len(history.history["loss"]) == 2
+    for a, b, s in zip(ours.get_weights(), theirs.get_weights(), start):
+        assert not np.allclose(a, s)  # it trained
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for mirror, weight in zip(ours.mirror, ours.trainable_variables):
+        np.testing.assert_allclose(mirror.numpy(), weight.numpy(), atol=1e-5)
+
+
+def test_library_is_cached_and_loaded_from_cache():
+    path = ops.library_path()
+    assert pathlib.Path(path).is_file()
+    info = _build.build_info(path)
+    assert info["tf_version"] == tf.__version__
+    mtime = os.path.getmtime(path)
+    assert _build.build(cuda=info["cuda"]) == path  # cached: no rebuild
+    assert os.path.getmtime(path) == mtime
+
+
+def _python(code, env_extra, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3",
+               **env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_failed_build_fails_import_with_the_reason(tmp_path):
+    proc = _python("import keras_geeps.ops",
+                   {"KERAS_GEEPS_OPS_DIR": str(tmp_path), "CXX": "false",
+                    "KERAS_GEEPS_CUDA": "0"})
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr
+    assert "python -m keras_geeps._build --force" in proc.stderr
+    assert "$ false " in proc.stderr  # the failing command is shown
+
+
+@pytest.mark.skipif(_build.find_nvcc() is None, reason="no nvcc")
+@pytest.mark.parametrize("source", ["gather_scatter_gpu.cu.cc",
+                                    "pack_gpu.cu.cc"])
+def test_cuda_sources_compile_with_nvcc(tmp_path, source):
+    path = _build.sources_dir() / "cc" / "kernels" / source
+    proc = subprocess.run(
+        [_build.find_nvcc(), "-x", "cu", "-std=c++17", "-O1", "-Xcompiler",
+         "-fPIC", "-gencode", "arch=compute_90,code=sm_90", "-c", str(path),
+         "-o", str(tmp_path / "out.o")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.skipif(_build.find_nvcc() is None, reason="no nvcc")
+def test_cuda_build_loads_and_runs_cpu_kernels_without_a_gpu():
+    # Cached when the default build already has CUDA (nvcc present);
+    # otherwise this compiles it once.
+    path = _build.build(cuda=True)
+    info = _build.build_info(path)
+    assert info["cuda"] is True and info["cuda_version"]
+    proc = _python(
+        "import numpy as np, tensorflow as tf\n"
+        "from keras_geeps import _build, ops\n"
+        f"assert ops.library_path() == {path!r}, ops.library_path()\n"
+        "with tf.device('/CPU:0'):\n"
+        "    t = tf.Variable(tf.reshape(tf.range(12.0), [4, 3]))\n"
+        "    ops.scatter_add_rows(t, [1, 1], tf.ones([2, 3]))\n"
+        "    got = ops.gather_rows(t, [1, 3]).numpy()\n"
+        "np.testing.assert_array_equal(got, [[5, 6, 7], [9, 10, 11]])\n"
+        "print('ok')\n",
+        {"KERAS_GEEPS_CUDA": "1"})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
