@@ -15,3 +15,7 @@ class GeePSTimeoutError(GeePSError, TimeoutError):
 
 class GeePSServerError(GeePSError):
     """A shard refused a request; the message is the shard's explanation."""
+
+
+class GeePSWorkerFailedError(GeePSError):
+    """A shard declared a worker dead (no heartbeat); the job stops."""

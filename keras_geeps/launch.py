@@ -51,13 +51,17 @@ class ShardProcess:
         output: where the shard's output lines go (prefixed), or None.
         start_timeout: seconds to wait for the shard's address. Defaults
             to 60.
+        bind: the address to bind. Defaults to a free port on 127.0.0.1.
     """
 
     def __init__(self, shard_id, num_shards, num_workers, extra_args=(),
-                 output=sys.stderr, start_timeout=60.0):
+                 output=sys.stderr, start_timeout=60.0,
+                 bind="tcp://127.0.0.1:0"):
         self.shard_id = shard_id
+        self.args = (shard_id, num_shards, num_workers, tuple(extra_args))
+        self.output = output
         command = [sys.executable, "-u", "-m", "keras_geeps.shard",
-                   "--bind", "tcp://127.0.0.1:0", "--shard-id", str(shard_id),
+                   "--bind", bind, "--shard-id", str(shard_id),
                    "--num-shards", str(num_shards),
                    "--num-workers", str(num_workers), *extra_args]
         self.process = subprocess.Popen(
@@ -101,6 +105,13 @@ class ShardProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+    def restart(self, extra_args=()):
+        """A new shard process on the same address (after `kill`)."""
+        shard_id, num_shards, num_workers, args = self.args
+        return ShardProcess(shard_id, num_shards, num_workers,
+                            args + tuple(extra_args), self.output,
+                            bind=self.address)
 
 
 class LocalCluster:

@@ -68,6 +68,8 @@ class MsgType(enum.IntEnum):
     STATS = 12       # ask for statistics
     STATS_REPLY = 13  # meta: statistics
     STOP = 14        # ask the shard to shut down
+    HEARTBEAT = 15   # worker -> shard: still alive (no reply)
+    CHECKPOINT = 16  # ask the shard to write a checkpoint now (ACK after)
 
 
 # Header keys and the Python types they must have. `meta` is a flat map of
@@ -87,22 +89,31 @@ _META_SCHEMA = {
     MsgType.HELLO: {"num_workers": int, "num_shards": int,
                     "incarnation": int},
     MsgType.WELCOME: {"shard_id": int, "num_shards": int, "num_workers": int,
-                      "max_message_bytes": int, "max_pending_clocks": int},
+                      "max_message_bytes": int, "max_pending_clocks": int,
+                      "checkpoint_every": int},
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
                      "row_start": int, "row_end": int, "chunk_row": int},
     MsgType.DECLARE: {"name": str, "rows": int, "width": int, "dtype": str,
                       "row_start": int, "row_end": int},
     MsgType.READ: {},
-    MsgType.ROWS: {"row_start": int, "row_end": int, "chunk_row": int},
+    MsgType.ROWS: {"row_start": int, "row_end": int, "chunk_row": int,
+                   "ckpt": int},
     MsgType.UPDATE: {"chunk_row": int, "indexed": bool},
     MsgType.CLOCK: {},
-    MsgType.PUSH: {"row_start": int, "row_end": int, "chunk_row": int},
-    MsgType.ACK: {},
-    MsgType.ERROR: {"error": str},
+    MsgType.PUSH: {"row_start": int, "row_end": int, "chunk_row": int,
+                   "ckpt": int},  # ckpt: the table's durable checkpoint clock
+    MsgType.ACK: {"global_clock": int, "ckpt": int},
+    MsgType.ERROR: {"error": str, "code": str},
     MsgType.STATS: {},
     MsgType.STATS_REPLY: {"stats": str},  # JSON text
     MsgType.STOP: {},
+    MsgType.HEARTBEAT: {},
+    MsgType.CHECKPOINT: {},
 }
+
+# ERROR codes a client acts on (other errors carry no code).
+ERROR_HELLO_REQUIRED = "hello_required"  # shard restarted: HELLO, replay
+ERROR_WORKER_DEAD = "worker_dead"        # a worker stopped; the job stops
 
 # How many raw frames each type may carry: (minimum, maximum).
 _FRAME_COUNTS = {

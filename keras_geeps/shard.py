@@ -28,7 +28,7 @@ import time
 import numpy as np
 import zmq
 
-from keras_geeps import protocol
+from keras_geeps import checkpoint, protocol
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 
 log = logging.getLogger("keras_geeps.shard")
@@ -49,13 +49,34 @@ class ShardSettings:
             `protocol.DEFAULT_CHUNK_BYTES`.
         poll_timeout_ms: poll loop turn, so stop requests and housekeeping
             run even when idle. Defaults to 100.
+        checkpoint_dir: where checkpoints are written. Defaults to None
+            (no checkpoints).
+        checkpoint_every: snapshot a table whenever its global clock
+            reaches a multiple of this (0: only on request). Defaults to 0.
+        worker_timeout: seconds without any message (workers send
+            heartbeats) after which a worker is dead; 0 disables the check.
+            Defaults to 0.
+        on_worker_failure: "stop" (every worker gets an error naming the
+            dead one) or "continue" (the clocks stop waiting for it; a
+            restarted worker rejoins). Defaults to "stop".
     """
 
     def __init__(self, max_message_bytes=1 << 30, max_tables=4096,
                  max_table_bytes=16 << 30, max_pending_clocks=64,
                  max_parked_reads=4096,
                  chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
-                 poll_timeout_ms=100):
+                 poll_timeout_ms=100, checkpoint_dir=None,
+                 checkpoint_every=0, worker_timeout=0.0,
+                 on_worker_failure="stop"):
+        if on_worker_failure not in ("stop", "continue"):
+            raise ValueError(f"on_worker_failure must be 'stop' or "
+                             f"'continue', not {on_worker_failure!r}")
+        if checkpoint_every and not checkpoint_dir:
+            raise ValueError("checkpoint_every needs a checkpoint_dir")
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.worker_timeout = worker_timeout
+        self.on_worker_failure = on_worker_failure
         self.max_message_bytes = max_message_bytes
         self.max_tables = max_tables
         self.max_table_bytes = max_table_bytes
@@ -67,6 +88,13 @@ class ShardSettings:
 
 class RequestError(Exception):
     """A well-formed request the shard refuses (answered with ERROR)."""
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.code = code
+
+
+DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
 
 
 class _Table:
@@ -86,6 +114,8 @@ class _Table:
         self.global_clock = 0
         self.pending = {}  # clock >= global_clock -> _Pending
         self.subscribers = set()
+        self.snapshot = None      # (clock, rows) taken for the next write
+        self.ckpt_clock = -1      # clock of the durable (written) snapshot
 
     @property
     def nbytes(self):
@@ -180,8 +210,8 @@ class _BufferPool:
 class _SeqTracker:
     """Which request sequence numbers of one worker have been handled."""
 
-    def __init__(self):
-        self.upto = 0          # every seq <= upto is done
+    def __init__(self, start=0):
+        self.upto = start      # every seq <= upto is done
         self.above = set()     # done seqs > upto + 1 (out of order)
 
     def seen(self, seq):
@@ -207,6 +237,10 @@ class ShardServer:
         num_shards: how many shards the job has.
         num_workers: how many workers the job has.
         settings: a `ShardSettings`. Defaults to `ShardSettings()`.
+        restore: load `settings.checkpoint_dir`'s checkpoint first; workers
+            then replay the updates it does not cover. Defaults to False.
+        auth: a `keras_geeps.auth.ShardAuth` to require CURVE keys.
+            Defaults to None (no authentication).
 
     Example:
 
@@ -216,7 +250,8 @@ class ShardServer:
     >>> server.stop()
     """
 
-    def __init__(self, bind, shard_id, num_shards, num_workers, settings=None):
+    def __init__(self, bind, shard_id, num_shards, num_workers, settings=None,
+                 restore=False, auth=None):
         if not 0 <= shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} is not in "
                              f"[0, {num_shards})")
@@ -227,7 +262,10 @@ class ShardServer:
         self.num_workers = num_workers
         self.settings = settings or ShardSettings()
         self._context = zmq.Context()
+        self._auth = auth(self._context) if callable(auth) else auth
         self._socket = self._context.socket(zmq.ROUTER)
+        if self._auth is not None:
+            self._auth.apply(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.setsockopt(zmq.SNDHWM, 0)
@@ -240,11 +278,19 @@ class ShardServer:
         self._seqs = {}           # worker id -> _SeqTracker
         self._parked = []         # (identity, Message) reads waiting
         self._trackers = {}       # id(rows buffer) -> sends still using it
+        self._last_seen = {}      # worker id -> time of its last message
+        self._dead = set()        # workers declared dead
+        self._failed = None       # the error every request gets ("stop")
+        self._writer = None       # the checkpoint-writing thread
+        self._ckpt_requests = []  # (identity, seq) waiting for a CHECKPOINT
+        self._writer_acks = 0     # how many of them the writer covers
         self._stop = threading.Event()
         self._thread = None
         self.stats = {"bytes_in": 0, "bytes_out": 0, "messages_in": 0,
                       "updates_applied": 0, "duplicates": 0, "errors": 0,
-                      "pushes": 0}
+                      "pushes": 0, "checkpoints": 0, "restored_clock": -1}
+        if restore:
+            self._restore()
 
     # ----------------------------------------------------------- running
     def start(self):
@@ -274,6 +320,7 @@ class ShardServer:
         poller.register(self._socket, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                self._housekeeping()
                 if not poller.poll(self.settings.poll_timeout_ms):
                     continue
                 for _ in range(256):  # bounded drain, then housekeeping
@@ -286,7 +333,11 @@ class ShardServer:
                     if self._stop.is_set():
                         break
         finally:
+            if self._writer is not None:
+                self._writer.join()
             self._socket.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
             self._context.term()
             log.info("shard %d stopped", self.shard_id)
 
@@ -305,20 +356,26 @@ class ShardServer:
             message = protocol.decode(
                 frames[1:], max_message_bytes=self.settings.max_message_bytes)
             self._handle(identity, message)
-        except (ProtocolError, RequestError) as exc:
+        except RequestError as exc:
+            self._refuse(identity, message, str(exc), exc.code)
+        except ProtocolError as exc:
             self._refuse(identity, message, str(exc))
         except Exception as exc:  # a bug must not take the shard down
             log.exception("shard %d: internal error", self.shard_id)
             self._refuse(identity, message, f"internal error: {exc!r}")
 
-    def _refuse(self, identity, message, error):
+    def _refuse(self, identity, message, error, code=None):
         self.stats["errors"] += 1
         seq = message.seq if message is not None else -1
         table = message.table if message is not None else -1
-        log.warning("shard %d: refused a request (seq %d): %s",
-                    self.shard_id, seq, error)
+        if code is None:
+            log.warning("shard %d: refused a request (seq %d): %s",
+                        self.shard_id, seq, error)
+        meta = {"error": error[:2000]}
+        if code is not None:
+            meta["code"] = code
         self._send(identity, Message(MsgType.ERROR, table=table, seq=seq,
-                                     meta={"error": error[:2000]}))
+                                     meta=meta))
 
     def _send(self, identity, message, track=False):
         frames = protocol.encode(message)
@@ -346,11 +403,21 @@ class ShardServer:
         if not 0 <= worker < self.num_workers:
             raise RequestError(f"worker id {worker} is not in "
                                f"[0, {self.num_workers})")
+        if self._failed is not None:
+            raise RequestError(self._failed, protocol.ERROR_WORKER_DEAD)
         if kind == MsgType.HELLO:
             self._hello(identity, message)
             return
         if self._identities.get(worker) != identity:
-            raise RequestError(f"worker {worker} must send HELLO first")
+            raise RequestError(f"worker {worker} must send HELLO first "
+                               f"(this shard may have restarted)",
+                               protocol.ERROR_HELLO_REQUIRED)
+        self._last_seen[worker] = time.monotonic()
+        if kind == MsgType.HEARTBEAT:
+            return
+        if kind == MsgType.CHECKPOINT:
+            self._checkpoint_request(identity, message)
+            return
         handler = {
             MsgType.CREATE: self._create,
             MsgType.DECLARE: self._declare,
@@ -385,14 +452,20 @@ class ShardServer:
         worker = message.worker
         incarnation = meta.get("incarnation", 0)
         if self._incarnations.get(worker) != incarnation:
-            self._seqs[worker] = _SeqTracker()  # a new process: new seqs
+            # A new worker process (or this shard is new): its requests are
+            # numbered from its HELLO on.
+            self._seqs[worker] = _SeqTracker(message.seq)
             self._incarnations[worker] = incarnation
+            if worker in self._dead:
+                self._rejoin(worker)
         self._identities[worker] = identity
+        self._last_seen[worker] = time.monotonic()
         self._send(identity, Message(MsgType.WELCOME, seq=message.seq, meta={
             "shard_id": self.shard_id, "num_shards": self.num_shards,
             "num_workers": self.num_workers,
             "max_message_bytes": self.settings.max_message_bytes,
-            "max_pending_clocks": self.settings.max_pending_clocks}))
+            "max_pending_clocks": self.settings.max_pending_clocks,
+            "checkpoint_every": self.settings.checkpoint_every}))
 
     def _table_for(self, message):
         spec = {k: message.meta.get(k) for k in
@@ -448,11 +521,11 @@ class ShardServer:
             table.data[rows] = array
             table.initialised[rows] = True
             row += array.shape[0]
-        self._send(identity, Message(MsgType.ACK, table=table.id,
-                                     seq=message.seq))
+        self._send(identity, self._table_ack(table, message.seq))
         if not table.ready and table.initialised.all():
             table.ready = True
             table.initialised = None
+            self._maybe_snapshot(table, 0, table.data)  # restorable at once
             for worker in table.subscribers:
                 if worker != message.worker:
                     self._push(table, worker)
@@ -461,10 +534,15 @@ class ShardServer:
     def _declare(self, identity, message):
         table = self._table_for(message)
         table.subscribers.add(message.worker)
-        self._send(identity, Message(MsgType.ACK, table=table.id,
-                                     seq=message.seq))
+        self._send(identity, self._table_ack(table, message.seq))
         if table.ready:
             self._push(table, message.worker)
+
+    @staticmethod
+    def _table_ack(table, seq):
+        return Message(MsgType.ACK, table=table.id, seq=seq,
+                       meta={"global_clock": table.global_clock,
+                             "ckpt": table.ckpt_clock})
 
     def _read(self, identity, message):
         table = self._tables.get(message.table)
@@ -567,8 +645,11 @@ class ShardServer:
         table.vclock[worker] = clk + 1
         self._send(identity, Message(MsgType.ACK, table=table.id,
                                      seq=message.seq))
+        self._maybe_advance(table)
+
+    def _maybe_advance(self, table):
         new_global = int(table.vclock.min())
-        if new_global > table.global_clock:
+        if new_global > table.global_clock and new_global < DEAD_CLOCK:
             self._advance(table, new_global)
 
     def _advance(self, table, new_global):
@@ -576,13 +657,13 @@ class ShardServer:
         data = table.data
         for clk in range(table.global_clock, new_global):
             pending = table.pending.pop(clk, None)
-            if pending is None:
-                continue  # nobody updated the table in that clock
-            if pending.base is None:
-                pending.rebase(data)
-            fresh = pending.complete()
-            self._retire(table, data)
-            data = fresh
+            if pending is not None:
+                if pending.base is None:
+                    pending.rebase(data)
+                fresh = pending.complete()
+                self._retire(table, data)
+                data = fresh
+            self._maybe_snapshot(table, clk + 1, data)
         table.data = data
         table.global_clock = new_global
         subscribers = [self._identities[w] for w in sorted(table.subscribers)
@@ -619,7 +700,8 @@ class ShardServer:
 
     def _send_chunk(self, table, identities, kind, seq, data, start, end):
         meta = {"row_start": table.spec["row_start"],
-                "row_end": table.spec["row_end"], "chunk_row": start}
+                "row_end": table.spec["row_end"], "chunk_row": start,
+                "ckpt": table.ckpt_clock}
         message = Message(kind, table=table.id, clk=table.global_clock,
                           seq=seq, arrays=[data[start:end]], meta=meta)
         trackers = []
@@ -628,6 +710,117 @@ class ShardServer:
             if tracker is not None:
                 trackers.append(tracker)
         return trackers
+
+    # ------------------------------------------- checkpoints, liveness
+    def _maybe_snapshot(self, table, clock, data):
+        every = self.settings.checkpoint_every
+        if every and clock % every == 0:
+            table.snapshot = (clock, data.copy())
+
+    def _checkpoint_request(self, identity, message):
+        if not self.settings.checkpoint_dir:
+            raise RequestError("this shard has no checkpoint_dir")
+        for table in self._tables.values():
+            if table.ready:
+                table.snapshot = (table.global_clock, table.data.copy())
+        self._ckpt_requests.append((identity, message.seq))
+
+    def _housekeeping(self):
+        if self._writer is not None and not self._writer.is_alive():
+            written, self._writer = self._writer.written, None
+            for table_id, clock in written.items():
+                table = self._tables.get(table_id)
+                if table is not None:
+                    table.ckpt_clock = max(table.ckpt_clock, clock)
+            self.stats["checkpoints"] += bool(written)
+            for identity, seq in self._ckpt_requests[:self._writer_acks]:
+                self._send(identity, Message(MsgType.ACK, seq=seq) if written
+                           else Message(MsgType.ERROR, seq=seq, meta={
+                               "error": "writing the checkpoint failed; "
+                                        "see the shard's log"}))
+            del self._ckpt_requests[:self._writer_acks]
+        if self._writer is None:
+            snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
+                         for t in self._tables.values()
+                         if t.snapshot is not None}
+            if any(clock > self._tables[tid].ckpt_clock
+                   for tid, (_, clock, _) in snapshots.items()) or (
+                       self._ckpt_requests and snapshots):
+                self._start_writer(snapshots)
+        timeout = self.settings.worker_timeout
+        if timeout and self._failed is None:
+            now = time.monotonic()
+            for worker in list(self._identities):
+                if worker not in self._dead and \
+                        now - self._last_seen.get(worker, now) > timeout:
+                    self._worker_died(worker, now - self._last_seen[worker])
+
+    def _start_writer(self, snapshots):
+        """Writes `snapshots` in a thread; the serve loop goes on meanwhile."""
+        writer = threading.Thread(target=self._write_checkpoint,
+                                  args=(snapshots,), daemon=True,
+                                  name=f"geeps-ckpt-{self.shard_id}")
+        writer.written = {}
+        self._writer_acks = len(self._ckpt_requests)
+        self._writer = writer
+        writer.start()
+
+    def _write_checkpoint(self, snapshots):
+        try:
+            checkpoint.write(self.settings.checkpoint_dir, self.shard_id,
+                             self.num_shards, self.num_workers, snapshots)
+            threading.current_thread().written = {
+                tid: clock for tid, (_, clock, _) in snapshots.items()}
+        except OSError:
+            log.exception("shard %d: writing the checkpoint failed",
+                          self.shard_id)
+
+    def _restore(self):
+        tables = checkpoint.load(self.settings.checkpoint_dir, self.shard_id,
+                                 self.num_shards, self.num_workers)
+        for table_id, (spec, clock, rows) in tables.items():
+            table = _Table(table_id, spec, self.num_workers)
+            table.data = rows
+            table.initialised = None
+            table.ready = True
+            table.global_clock = clock
+            table.vclock[:] = clock
+            table.ckpt_clock = clock
+            table.snapshot = (clock, rows)
+            self._tables[table_id] = table
+        self.stats["restored_clock"] = min(
+            (t.global_clock for t in self._tables.values()), default=-1)
+        log.warning("shard %d restored %d tables from %s (clocks %s)",
+                    self.shard_id, len(tables), self.settings.checkpoint_dir,
+                    sorted({t.global_clock for t in self._tables.values()}))
+
+    def _worker_died(self, worker, silent_s):
+        error = (f"worker {worker} sent nothing for {silent_s:.1f} s "
+                 f"(worker_timeout={self.settings.worker_timeout:g} s): it "
+                 f"died or hangs")
+        if self.settings.on_worker_failure == "stop":
+            self._failed = error + "; the job stops (on_worker_failure=stop)"
+            log.error("shard %d: %s", self.shard_id, self._failed)
+            for other, identity in self._identities.items():
+                if other != worker:
+                    self._send(identity, Message(MsgType.ERROR, meta={
+                        "error": self._failed,
+                        "code": protocol.ERROR_WORKER_DEAD}))
+            return
+        log.warning("shard %d: %s; continuing without it", self.shard_id,
+                    error)
+        self._dead.add(worker)
+        for table in self._tables.values():
+            table.vclock[worker] = DEAD_CLOCK
+            table.subscribers.discard(worker)
+            self._maybe_advance(table)
+
+    def _rejoin(self, worker):
+        """A restarted worker joins at each table's current clock."""
+        self._dead.discard(worker)
+        for table in self._tables.values():
+            table.vclock[worker] = table.global_clock
+        log.warning("shard %d: worker %d rejoined", self.shard_id, worker)
 
     # ------------------------------------------------------------ stats
     def snapshot_stats(self):
@@ -640,11 +833,13 @@ class ShardServer:
                 "ready": table.ready, "global_clock": table.global_clock,
                 "vclock": table.vclock.tolist(),
                 "pending_clocks": sorted(table.pending),
+                "ckpt_clock": table.ckpt_clock,
             }
         return dict(self.stats, shard_id=self.shard_id,
                     num_shards=self.num_shards, num_workers=self.num_workers,
                     tables=tables, held_bytes=self._held_bytes(),
                     workers=sorted(self._identities),
+                    dead_workers=sorted(self._dead), failed=self._failed,
                     parked_reads=len(self._parked))
 
 
@@ -662,6 +857,22 @@ def build_parser(parser=None):
     parser.add_argument("--max-tables", type=int, default=4096)
     parser.add_argument("--max-table-bytes", type=int, default=16 << 30)
     parser.add_argument("--max-pending-clocks", type=int, default=64)
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="where checkpoints are written")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="snapshot each table every K clocks (0: only "
+                             "on request)")
+    parser.add_argument("--restore", action="store_true",
+                        help="start from --checkpoint-dir's checkpoint")
+    parser.add_argument("--worker-timeout", type=float, default=0.0,
+                        help="seconds of silence after which a worker is "
+                             "dead (0: never)")
+    parser.add_argument("--on-worker-failure", default="stop",
+                        choices=["stop", "continue"])
+    parser.add_argument("--curve-secret-key", default=None,
+                        help="this shard's .key_secret file: require CURVE")
+    parser.add_argument("--curve-allowed-clients", default=None,
+                        help="folder of allowed clients' public .key files")
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -674,9 +885,24 @@ def run_from_args(args):
     settings = ShardSettings(max_message_bytes=args.max_message_bytes,
                              max_tables=args.max_tables,
                              max_table_bytes=args.max_table_bytes,
-                             max_pending_clocks=args.max_pending_clocks)
+                             max_pending_clocks=args.max_pending_clocks,
+                             checkpoint_dir=args.checkpoint_dir,
+                             checkpoint_every=args.checkpoint_every,
+                             worker_timeout=args.worker_timeout,
+                             on_worker_failure=args.on_worker_failure)
+    auth = None
+    if args.curve_secret_key or args.curve_allowed_clients:
+        if not (args.curve_secret_key and args.curve_allowed_clients):
+            raise SystemExit("--curve-secret-key and --curve-allowed-clients"
+                             " go together")
+        from keras_geeps.auth import ShardAuth  # noqa: PLC0415
+
+        def auth(context):
+            return ShardAuth(context, args.curve_secret_key,
+                             args.curve_allowed_clients)
     server = ShardServer(args.bind, args.shard_id, args.num_shards,
-                         args.num_workers, settings)
+                         args.num_workers, settings, restore=args.restore,
+                         auth=auth)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.request_stop())
     print(f"keras_geeps shard {args.shard_id}/{args.num_shards} serving "

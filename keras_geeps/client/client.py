@@ -26,7 +26,8 @@ from keras_geeps.client.access import (AccessHandle, AccessPlan,
                                        VirtualIteration)
 from keras_geeps.client.connection import Future, IOThread
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
-from keras_geeps.errors import GeePSError, GeePSTimeoutError
+from keras_geeps.errors import (GeePSError, GeePSTimeoutError,
+                                GeePSWorkerFailedError)
 from keras_geeps.protocol import Message, MsgType
 
 log = logging.getLogger("keras_geeps.client")
@@ -108,6 +109,10 @@ class Table:
         self.update_owned = False   # True: we allocated update_buffer
         self.read_my_writes = read_my_writes
         self.own = {}               # clock -> update rows (read-my-writes)
+        # clock -> the update sent (None: none) for every clock a shard's
+        # durable checkpoint does not cover yet, replayed if it restarts.
+        self.log = {}
+        self.part_ckpt = np.full(len(parts), -1, np.int64)
         self.lock = threading.Lock()
         self.all_rows = None        # the handle for whole-table access
 
@@ -139,6 +144,11 @@ class GeePSClient:
         initializer: the worker whose initial values create tables.
             Defaults to 0.
         chunk_bytes: size of the row chunks sent. Defaults to 2 MiB.
+        heartbeat_interval: seconds between heartbeats to every shard (so
+            shards detect a dead worker, and this worker a restarted
+            shard); 0 sends none. Defaults to 1.
+        curve: a `keras_geeps.auth.ClientKeys` for shards that require
+            CURVE. Defaults to None.
 
     Example:
 
@@ -154,7 +164,8 @@ class GeePSClient:
 
     def __init__(self, cluster=None, slack=0, timeout=120.0,
                  read_my_writes=False, initializer=0,
-                 chunk_bytes=protocol.DEFAULT_CHUNK_BYTES):
+                 chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
+                 heartbeat_interval=1.0, curve=None):
         self.cluster = cluster or ClusterSpec.from_env()
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack}")
@@ -173,19 +184,26 @@ class GeePSClient:
         self._seqs = [itertools.count(1) for _ in self.cluster.shards]
         self.wait_seconds = 0.0
         self.access_plan = AccessPlan()
+        self._clock_lock = threading.Lock()  # clock() vs a recovery replay
+        self._recovering = {}  # shard -> DECLAREs still to be answered
+        self._boundaries = {}  # (shard, table id) -> first clock not replayed
+        self._curve = curve
         self._io = IOThread(self.cluster.shards, self._on_rows,
+                            on_error=self._on_error_code,
+                            worker_id=self.worker_id, curve=curve,
                             name=f"geeps-io-w{self.worker_id}")
-        incarnation = int.from_bytes(os.urandom(6), "little")
+        self._incarnation = int.from_bytes(os.urandom(6), "little")
         try:
             welcomes = self._request_all([
-                (shard, Message(MsgType.HELLO, meta={
-                    "num_workers": self.num_workers,
-                    "num_shards": self.cluster.num_shards,
-                    "incarnation": incarnation}))
+                (shard, self._hello_message())
                 for shard in range(self.cluster.num_shards)], "HELLO")
         except BaseException:
             self._io.close()
             raise
+        # Keep sent updates for replay only when shards write checkpoints.
+        self._keep_log = any(w.meta.get("checkpoint_every", 0) > 0
+                             for w in welcomes)
+        self._io.heartbeat_interval = heartbeat_interval
         # A worker may run at most max_pending_clocks ahead of the global
         # clock (the shards bound their per-clock buffers): a larger slack
         # ("async") is capped there.
@@ -206,6 +224,12 @@ class GeePSClient:
         message.seq = self._next_seq(shard)
         self._io.send(shard, message, future)
 
+    def _hello_message(self):
+        return Message(MsgType.HELLO, meta={
+            "num_workers": self.num_workers,
+            "num_shards": self.cluster.num_shards,
+            "incarnation": self._incarnation})
+
     def _request_all(self, requests, what):
         """Sends [(shard, message)] and waits for every reply (bounded)."""
         futures = []
@@ -217,10 +241,13 @@ class GeePSClient:
         replies = []
         for shard, future in futures:
             if not future.event.wait(max(0.0, deadline - time.monotonic())):
+                hint = (" (if it requires CURVE keys: are this worker's keys"
+                        " allowed?)" if self._curve is not None else
+                        " (or does it require CURVE keys?)")
                 raise GeePSTimeoutError(
                     f"worker {self.worker_id}: shard {shard} "
                     f"({self.cluster.shards[shard]}) did not answer {what} "
-                    f"within {self.timeout:.1f} s: is it running?")
+                    f"within {self.timeout:.1f} s: is it running?{hint}")
             if future.error is not None:
                 raise future.error
             replies.append(future.message)
@@ -237,7 +264,7 @@ class GeePSClient:
         Every worker must create the same tables in the same order: that is
         how they agree on table ids and on the rows each shard holds (the
         shards check it). The initializer's `init` gives the initial rows;
-        other workers' reads wait until those have arrived.
+        on the other workers the call returns once those have arrived.
 
         Args:
             name: the table's name (unique).
@@ -297,11 +324,18 @@ class GeePSClient:
         self._tables.append(table)
         self._by_name[name] = table
         try:
-            self._request_all(requests, f"creation of table {name!r}")
+            replies = self._request_all(requests,
+                                        f"creation of table {name!r}")
         except BaseException:
             self._tables.pop()
             del self._by_name[name]
             raise
+        if not creator:  # a worker (re)joining a running job starts there
+            table.clock = max((r.meta.get("global_clock", 0)
+                               for r in replies), default=0)
+            # Creation is collective: return once the initial rows are here
+            # (an update before the creator's rows arrive would be refused).
+            self.wait_fresh(table, clock=table.clock + self.slack)
         return table
 
     def table(self, name):
@@ -353,6 +387,13 @@ class GeePSClient:
                 f"shard {shard} pushed rows beyond its part of table "
                 f"{table.name!r}"))
             return
+        ckpt = message.meta.get("ckpt", -1)
+        if ckpt > table.part_ckpt[part]:
+            with self._clock_lock:
+                table.part_ckpt[part] = ckpt
+                covered = int(table.part_ckpt.min())
+                for clk in [c for c in table.log if c < covered]:
+                    del table.log[clk]
         incoming = table.incoming[part]
         if incoming[0] != message.clk:
             incoming[:] = [message.clk, 0, []]
@@ -379,6 +420,124 @@ class GeePSClient:
                 del table.own[clk]
         with self._cond:
             self._cond.notify_all()
+
+    # ------------------------------------------- failures and recovery
+    def _on_error_code(self, shard, message, future):
+        """Runs in the I/O thread for an ERROR that carries a code."""
+        code = message.meta.get("code")
+        text = message.meta.get("error", "")
+        if code == protocol.ERROR_HELLO_REQUIRED:
+            self._recover(shard)  # stale requests after a restart land here
+            return
+        error = (GeePSWorkerFailedError(f"shard {shard}: {text}")
+                 if code == protocol.ERROR_WORKER_DEAD
+                 else GeePSError(f"shard {shard}: {text}"))
+        if future is not None:
+            future.set(error=error)
+        else:
+            self._io.errors.append(error)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _fail(self, error):
+        self._io.errors.append(error)
+        with self._cond:
+            self._cond.notify_all()
+
+    def _recover(self, shard):
+        """A restarted shard: HELLO again, re-declare, replay (I/O thread).
+
+        The shard restored each table at its checkpoint clock g; this worker
+        resends its updates and clocks of [g, now) from its log, then its
+        held traffic, minus what the replay already carried. Updates the
+        checkpoint covers are never resent, those it does not are resent
+        once: nothing is lost or applied twice.
+        """
+        if shard in self._recovering:
+            return
+        address = self.cluster.shards[shard]
+        if not self._keep_log:
+            self._fail(GeePSError(
+                f"shard {shard} ({address}) restarted, but the shards write "
+                f"no checkpoints (--checkpoint-every): its tables are lost"))
+            return
+        log.warning("worker %d: shard %d (%s) restarted; recovering",
+                    self.worker_id, shard, address)
+        self._io.held.add(shard)
+        parts = [(table, part) for table in self._tables
+                 for part, (s, _, _) in enumerate(table.parts) if s == shard]
+        self._recovering[shard] = len(parts)
+        hello = self._hello_message()
+        hello.worker, hello.seq = self.worker_id, self._next_seq(shard)
+
+        def welcomed(message, error):
+            if error is not None:
+                self._fail(error)
+                return
+            if not parts:
+                self._finish_recovery(shard)
+            for table, part in parts:
+                self._redeclare(shard, table, part)
+
+        self._io.send_now(shard, hello, Future(welcomed))
+
+    def _redeclare(self, shard, table, part):
+        _, start, end = table.parts[part]
+        declare = Message(MsgType.DECLARE, table.id, worker=self.worker_id,
+                          seq=self._next_seq(shard), meta={
+                              "name": table.name, "rows": table.rows,
+                              "width": table.width,
+                              "dtype": table.dtype.name, "row_start": start,
+                              "row_end": end})
+
+        def declared(message, error):
+            if error is not None:
+                self._fail(error)
+                return
+            self._replay(shard, table, part, message.meta["global_clock"])
+
+        self._io.send_now(shard, declare, Future(declared))
+
+    def _replay(self, shard, table, part, restored_clock):
+        _, start, end = table.parts[part]
+        with self._clock_lock:
+            boundary = table.clock
+            missing = [c for c in range(restored_clock, boundary)
+                       if c not in table.log]
+            if missing:
+                self._fail(GeePSError(
+                    f"cannot recover table {table.name!r} on shard {shard}: "
+                    f"it restarted at clock {restored_clock}, but this "
+                    f"worker no longer holds the updates of clock "
+                    f"{missing[0]}"))
+                return
+            for clk in range(restored_clock, boundary):
+                buffer = table.log[clk]
+                if buffer is not None:
+                    for message in self._update_messages(table, clk, buffer,
+                                                         start, end):
+                        message.worker = self.worker_id
+                        message.seq = self._next_seq(shard)
+                        self._io.send_now(shard, message)
+                self._io.send_now(shard, Message(
+                    MsgType.CLOCK, table.id, clk=clk, worker=self.worker_id,
+                    seq=self._next_seq(shard)))
+            self._boundaries[(shard, table.id)] = boundary
+        self._recovering[shard] -= 1
+        if self._recovering[shard] == 0:
+            self._finish_recovery(shard)
+
+    def _finish_recovery(self, shard):
+        def replayed_already(message):
+            # Held updates and clocks of clocks the replay covered.
+            return (message.type in (MsgType.UPDATE, MsgType.CLOCK)
+                    and message.clk < self._boundaries.get(
+                        (shard, message.table), -1))
+
+        self._io.release(shard, lambda: self._next_seq(shard),
+                         replayed_already)
+        del self._recovering[shard]
+        log.warning("worker %d: shard %d recovered", self.worker_id, shard)
 
     # ----------------------------------------------------- reads, updates
     def handle_for(self, what):
@@ -529,30 +688,38 @@ class GeePSClient:
         for table in tables:
             if isinstance(table, str):
                 table = self._by_name[table]
-            self._send_update(table)
-            for shard, _, _ in table.parts:
-                self._send(shard, Message(MsgType.CLOCK, table.id,
-                                          clk=table.clock))
-            table.clock += 1
+            with self._clock_lock:  # a replay sees every clock whole or not
+                buffer = self._send_update(table)
+                if self._keep_log:
+                    table.log[table.clock] = buffer
+                for shard, _, _ in table.parts:
+                    self._send(shard, Message(MsgType.CLOCK, table.id,
+                                              clk=table.clock))
+                table.clock += 1
 
     def _send_update(self, table):
         with table.lock:
             buffer = table.update_buffer
             if buffer is None:
-                return
+                return None
             table.update_buffer = None
             if table.read_my_writes:
                 table.own[table.clock] = buffer
         for shard, start, end in table.parts:
-            for c0, c1 in protocol.row_chunks(end - start, table.width,
-                                              table.dtype.itemsize,
-                                              self.chunk_bytes):
-                if c1 == c0:
-                    continue
-                self._send(shard, Message(
-                    MsgType.UPDATE, table.id, clk=table.clock,
-                    arrays=[buffer[start + c0:start + c1]],
-                    meta={"chunk_row": c0}))
+            for message in self._update_messages(table, table.clock, buffer,
+                                                 start, end):
+                self._send(shard, message)
+        return buffer
+
+    def _update_messages(self, table, clock, buffer, start, end):
+        """UPDATE messages carrying buffer's rows [start, end) in chunks."""
+        for c0, c1 in protocol.row_chunks(end - start, table.width,
+                                          table.dtype.itemsize,
+                                          self.chunk_bytes):
+            if c1 > c0:
+                yield Message(MsgType.UPDATE, table.id, clk=clock,
+                              arrays=[buffer[start + c0:start + c1]],
+                              meta={"chunk_row": c0})
 
     # ------------------------------------------------- stats, diagnosis
     def shard_stats(self, timeout=None):

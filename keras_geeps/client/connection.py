@@ -3,35 +3,46 @@
 The training thread never touches a socket. It hands encoded messages to
 this thread through a queue (and rings a doorbell, an inproc socket), and
 waits only where consistency requires it, on conditions this thread
-signals when replies and pushes arrive.
+signals when replies and pushes arrive. The thread also sends a heartbeat
+to every shard each `heartbeat_interval` seconds, and can hold a shard's
+outgoing traffic while that shard is being recovered.
 """
 
 import collections
 import logging
 import threading
+import time
 
 import zmq
 
 from keras_geeps import protocol
 from keras_geeps.errors import GeePSServerError
-from keras_geeps.protocol import MsgType, ProtocolError
+from keras_geeps.protocol import Message, MsgType, ProtocolError
 
 log = logging.getLogger("keras_geeps.client")
 
 
 class Future:
-    """The reply to one request, filled in by the I/O thread."""
+    """The reply to one request, filled in by the I/O thread.
 
-    __slots__ = ("event", "message", "error")
+    Args:
+        callback: optional `callback(message, error)` run in the I/O thread
+            when the reply arrives (it may send with `IOThread.send_now`).
+    """
 
-    def __init__(self):
+    __slots__ = ("event", "message", "error", "callback")
+
+    def __init__(self, callback=None):
         self.event = threading.Event()
         self.message = None
         self.error = None
+        self.callback = callback
 
     def set(self, message=None, error=None):
         self.message, self.error = message, error
         self.event.set()
+        if self.callback is not None:
+            self.callback(message, error)
 
 
 class IOThread:
@@ -41,12 +52,23 @@ class IOThread:
         addresses: the shard addresses, index = shard id.
         on_rows: called as on_rows(shard, message) in this thread for every
             PUSH and ROWS message.
+        on_error: called as on_error(shard, message) in this thread for an
+            ERROR that carries a `code` (shard restarted, worker dead).
+        worker_id: this worker's id (heartbeats carry it).
+        heartbeat_interval: seconds between heartbeats; 0 sends none
+            (set `heartbeat_interval` later to start them, e.g. once the
+            shards have welcomed this worker).
+        curve: a `keras_geeps.auth.ClientKeys`, or None.
         name: the thread's name.
     """
 
-    def __init__(self, addresses, on_rows, name="geeps-io"):
+    def __init__(self, addresses, on_rows, on_error=None, worker_id=-1,
+                 heartbeat_interval=0.0, curve=None, name="geeps-io"):
         self._addresses = list(addresses)
         self._on_rows = on_rows
+        self._on_error = on_error
+        self._worker_id = worker_id
+        self.heartbeat_interval = heartbeat_interval
         self._context = zmq.Context()
         self._outbox = collections.deque()
         self._doorbell_lock = threading.Lock()
@@ -56,15 +78,19 @@ class IOThread:
         self._doorbell = self._context.socket(zmq.PUSH)
         self._doorbell.connect(endpoint)
         self._sockets = []
-        for address in self._addresses:
+        for shard, address in enumerate(self._addresses):
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            if curve is not None:
+                curve.apply(sock, shard)
             sock.connect(address)
             self._sockets.append(sock)
         self._futures = {}  # (shard, seq) -> Future
         self._lock = threading.Lock()
+        self.held = set()   # shards whose queued traffic waits (recovery)
+        self._backlog = collections.defaultdict(list)
         self.errors = collections.deque()  # async errors for the caller
         self.bytes_out = 0
         self.bytes_in = 0
@@ -79,8 +105,33 @@ class IOThread:
         if future is not None:
             with self._lock:
                 self._futures[(shard, message.seq)] = future
-        self._outbox.append((shard, frames))
+        self._outbox.append((shard, frames, message))
         self._ring()
+
+    def send_now(self, shard, message, future=None):
+        """Sends at once, ahead of held traffic (I/O thread only)."""
+        if future is not None:
+            with self._lock:
+                self._futures[(shard, message.seq)] = future
+        self._write(shard, protocol.encode(message))
+
+    def release(self, shard, next_seq, drop=None):
+        """Sends the traffic held for `shard` (I/O thread only).
+
+        Messages `drop(message)` calls obsolete are skipped; the others get
+        fresh sequence numbers from `next_seq()`, since the shard counts
+        this worker's requests from the HELLO that preceded the release.
+        """
+        self.held.discard(shard)
+        for _, message in self._backlog.pop(shard, []):
+            if drop is not None and drop(message):
+                continue
+            with self._lock:
+                future = self._futures.pop((shard, message.seq), None)
+                message.seq = next_seq()
+                if future is not None:
+                    self._futures[(shard, message.seq)] = future
+            self._write(shard, protocol.encode(message))
 
     def _ring(self):
         with self._doorbell_lock:
@@ -106,6 +157,7 @@ class IOThread:
         for sock in self._sockets:
             poller.register(sock, zmq.POLLIN)
         index = {sock: i for i, sock in enumerate(self._sockets)}
+        next_beat = time.monotonic()
         try:
             while not self._stop:
                 events = dict(poller.poll(100))
@@ -119,6 +171,12 @@ class IOThread:
                 for sock, shard in index.items():
                     if sock in events:
                         self._drain(sock, shard)
+                if self.heartbeat_interval and \
+                        time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.heartbeat_interval
+                    for shard in range(len(self._sockets)):
+                        self._write(shard, protocol.encode(Message(
+                            MsgType.HEARTBEAT, worker=self._worker_id)))
         except Exception:  # keep the reason; the caller times out on it
             log.exception("keras_geeps I/O thread failed")
             self.errors.append(GeePSServerError("the I/O thread failed; see "
@@ -128,12 +186,18 @@ class IOThread:
                 sock.close(linger=0)
             self._doorbell_in.close(linger=0)
 
+    def _write(self, shard, frames):
+        self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes
+                              for f in frames)
+        self._sockets[shard].send_multipart(frames, copy=False)
+
     def _flush_outbox(self):
         while self._outbox:
-            shard, frames = self._outbox.popleft()
-            self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes
-                                  for f in frames)
-            self._sockets[shard].send_multipart(frames, copy=False)
+            shard, frames, message = self._outbox.popleft()
+            if shard in self.held:
+                self._backlog[shard].append((frames, message))
+            else:
+                self._write(shard, frames)
 
     def _drain(self, sock, shard):
         for _ in range(512):
@@ -159,6 +223,9 @@ class IOThread:
         with self._lock:
             future = self._futures.pop((shard, message.seq), None)
         if kind == MsgType.ERROR:
+            if message.meta.get("code") and self._on_error is not None:
+                self._on_error(shard, message, future)
+                return
             error = GeePSServerError(
                 f"shard {shard} ({self._addresses[shard]}) refused request "
                 f"{message.seq}: {message.meta.get('error')}")

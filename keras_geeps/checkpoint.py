@@ -1,0 +1,135 @@
+"""Shard checkpoints: the on-disk format, atomic writes, loading.
+
+A shard snapshots a table whenever the table's global clock reaches a
+multiple of K (`--checkpoint-every K`): the snapshot holds exactly the
+updates of the clocks before that clock, so the snapshots of one table on
+every shard are at the same clock and together form a consistent copy of
+the job. The shard then writes all its latest snapshots to
+
+    <dir>/shard-<id>-of-<num_shards>.ckpt.npz
+
+an uncompressed numpy `.npz` archive with
+
+- `meta`: a uint8 array holding UTF-8 JSON: {"format": 1, "shard_id",
+  "num_shards", "num_workers", "tables": {"<table id>": {"spec": {name,
+  rows, width, dtype, row_start, row_end}, "clock": C}}};
+- `table_<id>`: the table's rows on this shard at clock C
+  (row_end - row_start rows of `width` elements; bfloat16 stored as its
+  uint16 bits).
+
+Writes go to a temporary file in the same folder, are fsynced, then
+renamed over the old file: a crash at any point leaves either the old or
+the new checkpoint, never a torn one. Workers keep every update of the
+clocks at or after a table's checkpoint clock and replay them to a shard
+restored from it (`keras-geeps shard --restore DIR`).
+"""
+
+import json
+import os
+import tempfile
+
+import numpy as np
+
+from keras_geeps import protocol
+
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or for another job."""
+
+
+def checkpoint_path(directory, shard_id, num_shards):
+    """The checkpoint file of one shard."""
+    return os.path.join(directory,
+                        f"shard-{shard_id}-of-{num_shards}.ckpt.npz")
+
+
+def write(directory, shard_id, num_shards, num_workers, snapshots):
+    """Atomically writes a shard's table snapshots.
+
+    Args:
+        directory: the checkpoint folder (created if missing).
+        shard_id, num_shards, num_workers: the shard's place in the job.
+        snapshots: {table_id: (spec dict, clock, rows array)}.
+
+    Returns:
+        The checkpoint file's path.
+    """
+    os.makedirs(directory, exist_ok=True)
+    meta = {"format": FORMAT, "shard_id": shard_id, "num_shards": num_shards,
+            "num_workers": num_workers, "tables": {
+                str(tid): {"spec": spec, "clock": int(clock)}
+                for tid, (spec, clock, _) in snapshots.items()}}
+    arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+    for tid, (spec, _, rows) in snapshots.items():
+        if spec["dtype"] == "bfloat16":
+            rows = rows.view(np.uint16)
+        arrays[f"table_{tid}"] = rows
+    path = checkpoint_path(directory, shard_id, num_shards)
+    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp",
+                               dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def load(directory, shard_id, num_shards, num_workers):
+    """Reads a shard's checkpoint.
+
+    Returns:
+        {table_id: (spec dict, clock, rows array)}.
+
+    Raises:
+        CheckpointError: naming the file and what is wrong with it.
+    """
+    path = checkpoint_path(directory, shard_id, num_shards)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint of shard {shard_id}/"
+                              f"{num_shards} at {path}")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            meta = json.loads(archive["meta"].tobytes().decode())
+            if meta.get("format") != FORMAT:
+                raise CheckpointError(f"{path}: format {meta.get('format')}"
+                                      f" is not {FORMAT}")
+            for key, mine in (("shard_id", shard_id),
+                              ("num_shards", num_shards),
+                              ("num_workers", num_workers)):
+                if meta[key] != mine:
+                    raise CheckpointError(f"{path} is for {key}="
+                                          f"{meta[key]}, this shard has "
+                                          f"{mine}")
+            tables = {}
+            for tid, entry in meta["tables"].items():
+                spec = entry["spec"]
+                rows = archive[f"table_{tid}"]
+                dtype = protocol.numpy_dtype(spec["dtype"])
+                rows = rows.view(dtype) if spec["dtype"] == "bfloat16" \
+                    else rows.astype(dtype, copy=False)
+                expected = (spec["row_end"] - spec["row_start"],
+                            spec["width"])
+                if rows.shape != expected:
+                    raise CheckpointError(f"{path}: table {tid} has shape "
+                                          f"{rows.shape}, spec says "
+                                          f"{expected}")
+                tables[int(tid)] = (spec, int(entry["clock"]), rows.copy())
+            return tables
+    except CheckpointError:
+        raise
+    except Exception as exc:  # zip/npz/JSON errors of many kinds
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") \
+            from exc
