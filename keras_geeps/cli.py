@@ -1,4 +1,5 @@
-"""The `keras-geeps` command line: shard, launch, stats, stop, build-ops."""
+"""The `keras-geeps` command line: shard, launch, stats, stop, keygen,
+build-ops."""
 
 import argparse
 import json
@@ -60,6 +61,14 @@ def _cmd_stop(args):
     return 0
 
 
+def _cmd_keygen(args):
+    from keras_geeps.auth import keygen  # noqa: PLC0415
+    for name in args.names:
+        public, secret = keygen(args.directory, name)
+        print(f"{name}: public {public}, secret {secret}")
+    return 0
+
+
 def _cmd_build_ops(args):
     from keras_geeps import _build  # noqa: PLC0415
     return _build.main(args.rest)
@@ -90,6 +99,13 @@ def build_parser():
                          help="comma-separated shard addresses")
         cmd.add_argument("--timeout", type=float, default=10.0)
         cmd.set_defaults(func=func)
+
+    keygen = sub.add_parser(
+        "keygen", help="write CURVE key pairs (NAME.key, NAME.key_secret)")
+    keygen.add_argument("directory")
+    keygen.add_argument("names", nargs="+",
+                        help="e.g. shard worker0 worker1")
+    keygen.set_defaults(func=_cmd_keygen)
 
     build = sub.add_parser("build-ops", help="build the custom TF ops now")
     build.add_argument("rest", nargs=argparse.REMAINDER)

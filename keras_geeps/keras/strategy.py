@@ -51,14 +51,16 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         device: where the variables and the step run. Defaults to None:
             the first GPU if one is visible, else the CPU.
         client: an existing `GeePSClient` to use. Defaults to None (one is
-            created from `cluster`, `slack` and `timeout`).
+            created from `cluster`, `slack`, `timeout` and `curve`).
+        curve: a `keras_geeps.auth.ClientKeys` when the shards require
+            CURVE. Defaults to None.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",
-                 timeout=120.0, device=None, client=None):
+                 timeout=120.0, device=None, client=None, curve=None):
         if client is None:
             client = GeePSClient(cluster or ClusterSpec.from_env(),
-                                 slack=slack, timeout=timeout)
+                                 slack=slack, timeout=timeout, curve=curve)
         if device is None:
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")

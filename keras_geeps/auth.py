@@ -1,0 +1,108 @@
+"""CURVE authentication and encryption for shard links (ZeroMQ's ZAP).
+
+Off by default (loopback); required across machines. `keras-geeps keygen`
+writes key pairs in ZeroMQ's certificate format. A shard started with its
+secret key and a folder of allowed client public keys accepts only those
+clients, through ZeroMQ's ZAP authenticator; all traffic is then encrypted.
+A client without a key, or with one not in the folder, never completes the
+handshake: it reads nothing, and its first request times out with an error
+that names the likely cause.
+"""
+
+import os
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+
+def require_curve():
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq was built without CURVE support; "
+                           "install pyzmq's wheels (they bundle libsodium)")
+
+
+def keygen(directory, name):
+    """Writes `<name>.key` (public) and `<name>.key_secret` into `directory`.
+
+    Returns:
+        (public_key_path, secret_key_path).
+    """
+    require_curve()
+    os.makedirs(directory, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    return public, secret
+
+
+def load_keypair(path):
+    """Loads (public, secret) from a `.key_secret` (or `.key`) file."""
+    public, secret = zmq.auth.load_certificate(path)
+    return public, secret
+
+
+class ShardAuth:
+    """Makes a shard's ROUTER socket a CURVE server for allowed clients.
+
+    Args:
+        context: the shard's zmq.Context.
+        secret_key_file: the shard's `.key_secret` file.
+        allowed_clients_dir: folder of the clients' public `.key` files.
+    """
+
+    def __init__(self, context, secret_key_file, allowed_clients_dir):
+        require_curve()
+        public, secret = load_keypair(secret_key_file)
+        if secret is None:
+            raise ValueError(f"{secret_key_file} holds no secret key")
+        if not os.path.isdir(allowed_clients_dir):
+            raise ValueError(f"allowed clients folder {allowed_clients_dir} "
+                             f"does not exist")
+        self.public, self.secret = public, secret
+        self.authenticator = ThreadAuthenticator(context)
+        self.authenticator.start()
+        self.authenticator.configure_curve(domain="*",
+                                           location=allowed_clients_dir)
+
+    def apply(self, socket):
+        """Configures `socket` (before bind) as a CURVE server."""
+        socket.curve_secretkey = self.secret
+        socket.curve_publickey = self.public
+        socket.curve_server = True
+
+    def stop(self):
+        self.authenticator.stop()
+
+
+class ClientKeys:
+    """A worker's CURVE keys and the shards' public key(s).
+
+    Args:
+        keypair_file: the worker's `.key_secret` file.
+        server_public_key_files: one shard public `.key` file for all
+            shards, or a list with one per shard.
+
+    Example:
+
+    ```python
+    keys = ClientKeys("keys/worker.key_secret", "keys/shard.key")
+    client = GeePSClient(spec, curve=keys)
+    ```
+    """
+
+    def __init__(self, keypair_file, server_public_key_files):
+        require_curve()
+        self.public, self.secret = load_keypair(keypair_file)
+        if self.secret is None:
+            raise ValueError(f"{keypair_file} holds no secret key")
+        files = ([server_public_key_files]
+                 if isinstance(server_public_key_files, (str, os.PathLike))
+                 else list(server_public_key_files))
+        self.server_keys = [load_keypair(f)[0] for f in files]
+
+    def apply(self, socket, shard):
+        """Configures `socket` (before connect) as a CURVE client of `shard`."""
+        socket.curve_secretkey = self.secret
+        socket.curve_publickey = self.public
+        socket.curve_serverkey = self.server_keys[
+            shard if len(self.server_keys) > 1 else 0]
