@@ -1,0 +1,146 @@
+"""Shard kill/restart cycles (nothing lost, nothing twice) and CURVE's cost.
+
+Part 1: 4 workers (threads) on 2 shard processes with `--checkpoint-every
+5` run BSP; every `--clocks-per-cycle` clocks worker 0 SIGKILLs one shard
+(alternating), restarts it with `--restore` on the same address, and times
+how long until its next read completes (kill, restart, the workers' replay,
+the clock's advance). Every worker adds 1 to every element of a counter
+table at every clock, so the final counters must equal workers x clocks:
+anything below is an update lost, anything above one applied twice.
+
+Part 2: the push+pull round trip of a 16 MB table (1 worker, 1 shard)
+with CURVE on vs off, in the same run.
+
+Usage:
+    python benchmarks/fault_bench.py [--cycles 20]
+
+The last line is a JSON object with `cycles`, `updates_lost`,
+`updates_duplicated`, `recovery_s_median` and `curve_vs_plain`.
+"""
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from keras_geeps.auth import ClientKeys, keygen
+from keras_geeps.launch import LocalCluster
+
+
+def kill_restart_cycles(cycles, clocks_per_cycle, workers=4):
+    clocks = cycles * clocks_per_cycle + clocks_per_cycle
+    recoveries = []
+    with tempfile.TemporaryDirectory() as ckpt:
+        cluster = LocalCluster(2, workers, processes=True, output=None,
+                               shard_args=["--checkpoint-dir", ckpt,
+                                           "--checkpoint-every", "5"])
+        results, errors = {}, []
+        killed = {}
+
+        def run(w):
+            try:
+                with cluster.client(w, timeout=120,
+                                    heartbeat_interval=0.2) as client:
+                    table = client.create_table("counter", 1000, 128)
+                    for clk in range(clocks):
+                        client.read(table)
+                        if w == 0 and "at" in killed:
+                            recoveries.append(time.monotonic()
+                                              - killed.pop("at"))
+                        client.update(table, np.ones((1000, 128),
+                                                     np.float32))
+                        client.clock()
+                        if w == 0 and clk % clocks_per_cycle == \
+                                clocks_per_cycle - 1 and \
+                                len(recoveries) < cycles:
+                            victim = len(recoveries) % 2
+                            killed["at"] = time.monotonic()
+                            cluster.shards[victim].kill()
+                            cluster.shards[victim] = \
+                                cluster.shards[victim].restart(["--restore"])
+                    results[w] = client.read(table, clock=clocks)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(w,))
+                   for w in range(workers)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            cluster.stop()
+        if errors:
+            raise errors[0]
+    expected = workers * clocks
+    lost = max(max(0.0, expected - float(r.min())) for r in results.values())
+    duplicated = max(max(0.0, float(r.max()) - expected)
+                     for r in results.values())
+    return len(recoveries), int(lost), int(duplicated), recoveries
+
+
+def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=20):
+    rows = nbytes // 4096
+    shard_args = []
+    keys = None
+    if curve_dir:
+        shard_args = ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
+                      "--curve-allowed-clients", f"{curve_dir}/allowed"]
+        keys = ClientKeys(f"{curve_dir}/worker.key_secret",
+                          f"{curve_dir}/shard.key")
+    with LocalCluster(1, 1, processes=True, output=None,
+                      shard_args=shard_args) as cluster:
+        with cluster.client(0, timeout=60, curve=keys) as client:
+            table = client.create_table("p", rows, 1024)
+            out = np.empty((rows, 1024), np.float32)
+            delta = np.ones((rows, 1024), np.float32)
+            times = []
+            for i in range(repeats + 2):
+                started = time.perf_counter()
+                client.update(table, delta, copy=False)
+                client.clock()
+                client.read(table, out=out)
+                if i >= 2:
+                    times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--clocks-per-cycle", type=int, default=8)
+    args = parser.parse_args()
+    cycles, lost, duplicated, recoveries = kill_restart_cycles(
+        args.cycles, args.clocks_per_cycle)
+    print(f"{cycles} kill/restart cycles: lost {lost}, duplicated "
+          f"{duplicated}, recovery median {statistics.median(recoveries):.2f}"
+          f" s (max {max(recoveries):.2f} s)", flush=True)
+    with tempfile.TemporaryDirectory() as keys:
+        import os  # noqa: PLC0415
+        os.makedirs(f"{keys}/allowed")
+        keygen(keys, "shard")
+        keygen(keys, "worker")
+        with open(f"{keys}/worker.key", "rb") as f, \
+                open(f"{keys}/allowed/worker.key", "wb") as g:
+            g.write(f.read())
+        plain = round_trip_seconds(None)
+        curve = round_trip_seconds(keys)
+    print(f"16 MB round trip: plain {plain * 1e3:.1f} ms, CURVE "
+          f"{curve * 1e3:.1f} ms", flush=True)
+    print(json.dumps({
+        "cycles": cycles, "updates_lost": lost,
+        "updates_duplicated": duplicated,
+        "recovery_s_median": round(statistics.median(recoveries), 3),
+        "recovery_s_max": round(max(recoveries), 3),
+        "curve_vs_plain": round(plain / curve, 3),
+        "plain_round_trip_ms": round(plain * 1e3, 2),
+        "curve_round_trip_ms": round(curve * 1e3, 2)}))
+
+
+if __name__ == "__main__":
+    main()
