@@ -102,7 +102,7 @@ _META_SCHEMA = {
     MsgType.CLOCK: {},
     MsgType.PUSH: {"row_start": int, "row_end": int, "chunk_row": int,
                    "ckpt": int},  # ckpt: the table's durable checkpoint clock
-    MsgType.ACK: {"global_clock": int, "ckpt": int},
+    MsgType.ACK: {"global_clock": int, "ckpt": int, "existing": bool},
     MsgType.ERROR: {"error": str, "code": str},
     MsgType.STATS: {},
     MsgType.STATS_REPLY: {"stats": str},  # JSON text

@@ -511,6 +511,14 @@ class ShardServer:
     def _create(self, identity, message):
         table = self._table_for(message)
         table.subscribers.add(message.worker)
+        if table.ready and table.initialised is None:
+            # Restored from a checkpoint (or created before): the shard's
+            # rows win over a restarted creator's fresh initial values.
+            self._send(identity, self._table_ack(table, message.seq,
+                                                 existing=True))
+            if message.meta.get("chunk_row", 0) == 0:
+                self._push(table, message.worker)
+            return
         row = message.meta.get("chunk_row", 0)
         for array in message.arrays:
             self._check_rows(table, array, row)
@@ -539,10 +547,11 @@ class ShardServer:
             self._push(table, message.worker)
 
     @staticmethod
-    def _table_ack(table, seq):
-        return Message(MsgType.ACK, table=table.id, seq=seq,
-                       meta={"global_clock": table.global_clock,
-                             "ckpt": table.ckpt_clock})
+    def _table_ack(table, seq, existing=False):
+        meta = {"global_clock": table.global_clock, "ckpt": table.ckpt_clock}
+        if existing:
+            meta["existing"] = True
+        return Message(MsgType.ACK, table=table.id, seq=seq, meta=meta)
 
     def _read(self, identity, message):
         table = self._tables.get(message.table)

@@ -306,7 +306,6 @@ class GeePSClient:
                 for part, (_, start, end) in enumerate(parts):
                     table.part_rows[part] = PartRows(
                         [(0, values[start:end].copy())])
-            table.ages[:] = 0
             for part, (shard, start, end) in enumerate(parts):
                 for c0, c1 in protocol.row_chunks(end - start, width,
                                                   dtype.itemsize,
@@ -330,6 +329,13 @@ class GeePSClient:
             self._tables.pop()
             del self._by_name[name]
             raise
+        if creator and any(r.meta.get("existing") for r in replies):
+            # The shards already hold this table (restored from a
+            # checkpoint): they push their rows, which replace ours.
+            creator = False
+        elif creator:
+            with self._cond:
+                table.ages[:] = np.maximum(table.ages, 0)  # our rows: age 0
         if not creator:  # a worker (re)joining a running job starts there
             table.clock = max((r.meta.get("global_clock", 0)
                                for r in replies), default=0)

@@ -45,14 +45,18 @@ def compile_model(model, optimizer, lr, steps_per_execution):
 
 
 class DieAt(keras.callbacks.Callback):
-    def __init__(self, step):
+    def __init__(self, step, epoch=0, code=7):
         super().__init__()
-        self.step = step
+        self.step, self.epoch, self.code = step, epoch, code
+        self.current_epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if batch >= self.step:
+        if self.current_epoch >= self.epoch and batch >= self.step:
             print("dying on purpose", flush=True)
-            os._exit(7)
+            os._exit(self.code)
 
 
 def main():
@@ -69,6 +73,10 @@ def main():
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--die-worker", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--backup-dir", default="",
+                        help="keras.callbacks.BackupAndRestore folder")
+    parser.add_argument("--die-all-at", default="",
+                        help="EPOCH:BATCH where every worker exits (code 9)")
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -86,6 +94,12 @@ def main():
     callbacks = strategy.callbacks()
     if w == args.die_worker:
         callbacks.append(DieAt(3))
+    if args.backup_dir:
+        callbacks.append(keras.callbacks.BackupAndRestore(
+            os.path.join(args.backup_dir, f"worker{w}"), save_freq=4))
+    if args.die_all_at:
+        epoch, batch = map(int, args.die_all_at.split(":"))
+        callbacks.append(DieAt(batch, epoch, code=9))
     history = model.fit(
         strategy.distribute_dataset(ds), epochs=args.epochs, verbose=2,
         callbacks=callbacks,
