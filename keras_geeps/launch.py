@@ -7,6 +7,7 @@ variables, streams their output with a prefix, and tears everything down,
 also when one of them fails (which it names, exiting non-zero).
 """
 
+import ctypes
 import json
 import os
 import queue
@@ -22,6 +23,20 @@ from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 
 _READY = re.compile(r"serving (tcp://\S+)")
+
+
+try:  # resolved here: the child may not import or dlopen after fork
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _PRCTL = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent():
+    """Child-side: get SIGTERM when the parent dies (Linux), so a crashed
+    test or launcher never leaves shard processes behind."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port():
@@ -66,7 +81,7 @@ class ShardProcess:
                    "--num-workers", str(num_workers), *extra_args]
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         lines = queue.Queue()
         self._pump = threading.Thread(
             target=_pump, args=(self.process.stdout, f"[shard {shard_id}] ",
