@@ -89,3 +89,7 @@ with tf.device("/GPU:0"):
         print(f"{name:<22} {seconds * 1e3:8.3f} ms  "
               f"{traffic[name] * moved / seconds / 1e9:8.1f} GB/s")
 EOF
+
+# The memory-management case (issue 5): tests/memory on the GPU, TF's peak
+# GPU memory under a budget vs without, and memory_bench at GPU sizes.
+bash "$(dirname "$0")/gpu_memory_check.sh" "$PY"

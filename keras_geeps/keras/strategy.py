@@ -4,6 +4,7 @@ import tensorflow as tf
 
 from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
+from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
 from keras_geeps.keras.sync import ParameterSync
 
@@ -54,10 +55,17 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             created from `cluster`, `slack`, `timeout` and `curve`).
         curve: a `keras_geeps.auth.ClientKeys` when the shards require
             CURVE. Defaults to None.
+        device_memory_budget: bytes of device memory the parameters,
+            their optimizer state, the access pool and the saved
+            activations may use; training then goes through
+            `layerwise_trainer()`, which keeps what does not fit in host
+            memory and stages it in as needed (README, "Memory
+            management"). Defaults to None: all of the device's memory.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",
-                 timeout=120.0, device=None, client=None, curve=None):
+                 timeout=120.0, device=None, client=None, curve=None,
+                 device_memory_budget=None):
         if client is None:
             client = GeePSClient(cluster or ClusterSpec.from_env(),
                                  slack=slack, timeout=timeout, curve=curve)
@@ -66,7 +74,12 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                       else "/cpu:0")
         self.client = client
         self.parameter_sync = ParameterSync(client, update_mode)
-        _tf_hooks.init_strategy(self, device, self.parameter_sync)
+        self.device_memory_budget = device_memory_budget
+        self._device = device
+        self._memory = None  # the LayerwiseTrainer, once created
+        hooks = self.parameter_sync if device_memory_budget is None else \
+            _BudgetGuard(self)
+        _tf_hooks.init_strategy(self, device, hooks)
 
     # ------------------------------------------------------------ cluster
     @property
@@ -143,9 +156,69 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
 
         Waits until the tables reflect every worker's last clock (ignoring
         the slack), then assigns them: after the same number of steps,
-        every worker then holds identical weights.
+        every worker then holds identical weights. Under a memory budget
+        the staged layers first get their variables back
+        (`LayerwiseTrainer.materialize()`).
         """
+        if self._memory is not None:
+            self._memory.materialize()
         self.parameter_sync.pull_all(full=True)
+
+    # ------------------------------------------------- memory management
+    def layerwise_trainer(self, model, optimizer, loss, batch_size,
+                          offload_activations=None, audit=False):
+        """Records the model's step, plans it under the budget, and returns
+        the `LayerwiseTrainer` that runs it through the shards.
+
+        Create the model inside `scope()`. Each `trainer.train_step(x, y)`
+        pulls every table (a staged layer's straight into host memory),
+        runs the step layer by layer within `device_memory_budget`, and
+        pushes and clocks each layer's update as soon as it is applied.
+
+        Example:
+
+        ```python
+        strategy = keras_geeps.GeePSStrategy(device_memory_budget=2 << 30)
+        with strategy.scope():
+            model = build_model()
+        trainer = strategy.layerwise_trainer(
+            model, keras.optimizers.SGD(0.01), loss_fn, batch_size=64)
+        print(strategy.memory_plan)
+        for x, y in strategy.distribute_dataset(ds):
+            trainer.train_step(x, y)
+        strategy.sync()
+        ```
+
+        Args:
+            model: a built Keras model that is a chain of layers.
+            optimizer: a Keras optimizer (copied per layer).
+            loss: `loss(y_true, y_pred)` returning a scalar.
+            batch_size: the per-worker batch size.
+            offload_activations: None, "auto" or a list of layer names.
+                Defaults to None.
+            audit: measure the device bytes after every change (tests).
+                Defaults to False.
+
+        Returns:
+            A `keras_geeps.memory.LayerwiseTrainer`.
+        """
+        from keras_geeps.memory.trainer import (  # noqa: PLC0415
+            LayerwiseTrainer)
+        if self._memory is not None:
+            self._memory.close()
+        self._memory = LayerwiseTrainer(
+            model, optimizer, loss, batch_size,
+            device_memory_budget=self.device_memory_budget,
+            offload_activations=offload_activations,
+            sync=self.parameter_sync, device=self._device, audit=audit)
+        return self._memory
+
+    @property
+    def memory_plan(self):
+        """The `MemoryPlan` of the layer-wise trainer (print it for a table
+        of what is resident, staged and offloaded), or None before
+        `layerwise_trainer()`."""
+        return self._memory.plan if self._memory is not None else None
 
     def ps_stats(self):
         """This worker's parameter-server figures (bytes, waits, data age)."""
@@ -153,4 +226,40 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
 
     def close(self):
         """Closes the connections to the shards."""
+        if self._memory is not None:
+            self._memory.close()
         self.client.close()
+
+
+class _BudgetGuard:
+    """The strategy's hooks under a memory budget. A compiled Keras step
+    (`model.fit`) holds every layer on the device, so an optimizer update
+    inside one is refused; any other compiled step (evaluate, predict)
+    needs the staged layers back first."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.sync = strategy.parameter_sync
+        self.track_variable = self.sync.track_variable
+        self._in_step = False
+
+    def note_update(self, variable):
+        if self._in_step:
+            raise GeePSError(
+                "model.fit cannot keep to device_memory_budget (its compiled "
+                "step holds every layer on the device): train with "
+                "strategy.layerwise_trainer(...).train_step")
+        self.sync.note_update(variable)
+
+    def wrap_step(self, call, is_train_step=False):
+        memory = self.strategy._memory
+        if memory is not None and not memory.materialized:
+            raise GeePSError(
+                "the staged layers' variables are in host memory: call "
+                "strategy.sync() (or trainer.materialize()) before "
+                "evaluate / predict")
+        self._in_step = True
+        try:
+            return self.sync.wrap_step(call, is_train_step)
+        finally:
+            self._in_step = False

@@ -133,7 +133,7 @@ class ParameterSync:
         self.tables = []
         self._candidates = []
         self._updated = None
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
         self.pull_wait_seconds = 0.0
         self.pull_seconds = 0.0
         self.push_seconds = 0.0
@@ -167,7 +167,7 @@ class ParameterSync:
                 self.build()
         if not self.tables:
             return call()
-        pulls = [tf.py_function(functools.partial(self._pull, i), [],
+        pulls = [tf.py_function(functools.partial(self.pull, i), [],
                                 tf.bool, name=f"geeps_pull_{i}")
                  for i in range(len(self.tables))]
         outer, self._updated = self._updated, set()
@@ -187,7 +187,7 @@ class ParameterSync:
                 # Reading the variables orders the push after their updates.
                 reads = [v.read_value() for v in layer.variables]
                 with tf.control_dependencies(reads):
-                    tf.py_function(functools.partial(self._push, i), [],
+                    tf.py_function(functools.partial(self.push, i), [],
                                    tf.bool, name=f"geeps_push_{i}")
         return result
 
@@ -226,13 +226,13 @@ class ParameterSync:
         return "\n".join(lines)
 
     # ------------------------------------------------ eager pull / push
-    def _pull(self, index, full=False):
+    def pull(self, index, full=False):
         """Brings table `index` into its variables if the shards have news."""
         layer = self.tables[index]
         table = layer.table
         started = time.perf_counter()
         clock = table.clock + self.client.slack if full else None
-        with self._lock:
+        with self.lock:
             self.client.wait_fresh(table, clock=clock)
         waited = time.perf_counter() - started
         self.pull_wait_seconds += waited
@@ -244,7 +244,7 @@ class ParameterSync:
             self.pull_seconds += time.perf_counter() - started
             return True
         buffer = layer.next_buffer()
-        with self._lock:
+        with self.lock:
             self.client.read(table, out=buffer.reshape(table.rows,
                                                        table.width))
         layer.pulled_ages = tuple(table.last_read_ages)
@@ -257,7 +257,7 @@ class ParameterSync:
         self.pull_seconds += time.perf_counter() - started
         return True
 
-    def _push(self, index):
+    def push(self, index):
         """Sends the step's update of table `index` and clocks it."""
         started = time.perf_counter()
         layer = self.tables[index]
@@ -267,7 +267,7 @@ class ParameterSync:
         if self.scale != 1.0:
             delta = delta * tf.constant(self.scale, delta.dtype)
         rows = _as_host_array(delta).reshape(table.rows, table.width)
-        with self._lock:
+        with self.lock:
             self.client.update(table, rows, copy=False)
             self.client.clock([table])
         layer.snapshot_stale = True
@@ -280,13 +280,13 @@ class ParameterSync:
         """Eagerly pulls every table (`full`: wait for every worker's last
         clock, ignoring the slack, as at the end of training)."""
         for index in range(len(self.tables)):
-            self._pull(index, full=full)
+            self.pull(index, full=full)
 
     def push_all(self):
         """Eagerly pushes every table's update since the last pull, and
         clocks it (for hand-written loops outside `strategy.run`)."""
         for index in reversed(range(len(self.tables))):
-            self._push(index)
+            self.push(index)
 
     def stats(self):
         """This worker's parameter-server figures."""

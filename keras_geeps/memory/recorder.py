@@ -1,0 +1,329 @@
+"""GeePS's virtual iteration for a Keras model: one step's accesses, recorded.
+
+Before training, GeePS walks one step without doing it and notes every read,
+update and local-data access, in order, with its size; the memory planner
+works from that list. Here the list is derived from the model itself: the
+model is a chain of layers (a `keras.Sequential`, or a functional model whose
+layers feed one another in order), each layer with parameters is one
+parameter table, and the intermediate data that must survive from the
+forward pass to the backward pass is each layer's input (and the model's
+output, which the loss needs). Shapes come from Keras' symbolic shape
+inference (`compute_output_spec`), so nothing is computed.
+
+One step, as recorded:
+
+    forward, layer 0 .. L-1:  read table i; keep local act i (the input)
+    the loss:                 keep local output
+    backward, L-1 .. 0:       fetch act i+1 (if the layer's backward needs
+                              its output); fetch act i; read table i;
+                              fetch local state i (optimizer slots);
+                              update table i
+"""
+
+import numpy as np
+
+KINDS = ("read", "update", "local")
+
+
+class UnitRecord:
+    """One layer of the chain, as the planner sees it.
+
+    Attributes:
+        index: position in the chain.
+        name: the layer's name.
+        param_bytes: bytes of its trainable variables (its parameter table).
+        state_bytes: bytes of its optimizer state (e.g. momentum); GeePS
+            treats it as local data, staged with the table here.
+        input_bytes: bytes of its input for one batch, kept from the forward
+            pass to the backward pass.
+        output_bytes: bytes of its output for one batch.
+        backward: "explicit" when the layer's gradient is computed from its
+            saved input and output and the parameters read again (Dense);
+            "autodiff" when TensorFlow's tape computes it (then a layer
+            whose parameters or input leave the device is recomputed from
+            its input in the backward pass).
+        needs_output: the explicit backward reads the layer's output too.
+        flops: forward multiply-adds x 2, an estimate for reports.
+    """
+
+    __slots__ = ("index", "name", "param_bytes", "state_bytes", "input_bytes",
+                 "output_bytes", "backward", "needs_output", "flops")
+
+    def __init__(self, index, name, param_bytes, input_bytes, output_bytes=0,
+                 state_bytes=0, backward="autodiff", needs_output=False,
+                 flops=0):
+        if backward not in ("explicit", "autodiff"):
+            raise ValueError(f"backward must be 'explicit' or 'autodiff', "
+                             f"not {backward!r}")
+        if state_bytes and not param_bytes:
+            raise ValueError(f"layer {name!r}: optimizer state without "
+                             "parameters")
+        self.index = int(index)
+        self.name = str(name)
+        self.param_bytes = int(param_bytes)
+        self.state_bytes = int(state_bytes)
+        self.input_bytes = int(input_bytes)
+        self.output_bytes = int(output_bytes)
+        self.backward = backward
+        self.needs_output = bool(needs_output)
+        self.flops = int(flops)
+
+    @property
+    def has_params(self):
+        return self.param_bytes > 0
+
+    @property
+    def table_bytes(self):
+        """Parameters plus optimizer state: what staging the table moves."""
+        return self.param_bytes + self.state_bytes
+
+    def __repr__(self):
+        return (f"UnitRecord({self.index} {self.name!r}, params="
+                f"{self.param_bytes}, state={self.state_bytes}, input="
+                f"{self.input_bytes}, {self.backward})")
+
+
+class Access:
+    """One recorded access of the step.
+
+    Attributes:
+        position: index in the step's sequence.
+        kind: "read", "update" or "local".
+        phase: "forward", "loss" or "backward".
+        unit: index of the layer the access belongs to (the output's
+            consumer, the loss, is unit L).
+        item: what is accessed: "table:NAME", "act:NAME" (a layer's input),
+            "output" (the model's output) or "state:NAME".
+        nbytes: bytes accessed.
+    """
+
+    __slots__ = ("position", "kind", "phase", "unit", "item", "nbytes")
+
+    def __init__(self, position, kind, phase, unit, item, nbytes):
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+        self.position = position
+        self.kind = kind
+        self.phase = phase
+        self.unit = unit
+        self.item = item
+        self.nbytes = int(nbytes)
+
+    def __repr__(self):
+        return (f"Access(#{self.position} {self.phase} {self.kind} "
+                f"{self.item!r}, {self.nbytes} bytes)")
+
+
+class AccessSequence:
+    """The ordered accesses of one training step (GeePS' virtual iteration).
+
+    Args:
+        units: the layers of the chain, as `UnitRecord`s in forward order.
+        output_bytes: bytes of the model's output for one batch. Defaults
+            to the last unit's `output_bytes`.
+        batch_size: the batch size the sizes are for (for reports).
+            Defaults to None.
+
+    Example:
+
+    >>> seq = AccessSequence([UnitRecord(0, "dense", 4096, 512),
+    ...                       UnitRecord(1, "out", 1024, 256)])
+    >>> [a.item for a in seq.accesses][:3]
+    ['table:dense', 'act:dense', 'table:out']
+    """
+
+    def __init__(self, units, output_bytes=None, batch_size=None):
+        self.units = list(units)
+        for i, unit in enumerate(self.units):
+            if unit.index != i:
+                raise ValueError(f"unit {unit.name!r} has index {unit.index}"
+                                 f", expected {i}")
+        names = [u.name for u in self.units]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer names must be unique, got {names}")
+        if output_bytes is None:
+            output_bytes = self.units[-1].output_bytes if self.units else 0
+        self.output_bytes = int(output_bytes)
+        self.batch_size = batch_size
+        self.accesses = self._build()
+
+    def _build(self):
+        accesses = []
+
+        def add(kind, phase, unit, item, nbytes):
+            accesses.append(Access(len(accesses), kind, phase, unit, item,
+                                   nbytes))
+
+        for u in self.units:
+            if u.has_params:
+                add("read", "forward", u.index, f"table:{u.name}",
+                    u.param_bytes)
+            add("local", "forward", u.index, f"act:{u.name}", u.input_bytes)
+        last = len(self.units)
+        add("local", "loss", last, "output", self.output_bytes)
+        for u in reversed(self.units):
+            if u.backward == "explicit" and u.needs_output:
+                add("local", "backward", u.index, self.output_item(u.index),
+                    self.output_bytes_of(u.index))
+            add("local", "backward", u.index, f"act:{u.name}", u.input_bytes)
+            if u.has_params:
+                add("read", "backward", u.index, f"table:{u.name}",
+                    u.param_bytes)
+                if u.state_bytes:
+                    add("local", "backward", u.index, f"state:{u.name}",
+                        u.state_bytes)
+                add("update", "backward", u.index, f"table:{u.name}",
+                    u.param_bytes)
+        return accesses
+
+    def output_item(self, index):
+        """The item holding unit `index`'s output (the next unit's input)."""
+        if index + 1 < len(self.units):
+            return f"act:{self.units[index + 1].name}"
+        return "output"
+
+    def output_bytes_of(self, index):
+        if index + 1 < len(self.units):
+            return self.units[index + 1].input_bytes
+        return self.output_bytes
+
+    def __len__(self):
+        return len(self.accesses)
+
+    def __iter__(self):
+        return iter(self.accesses)
+
+    def first_access(self, item):
+        """Position of the first access of `item` (None if never)."""
+        for access in self.accesses:
+            if access.item == item:
+                return access.position
+        return None
+
+    @property
+    def param_bytes(self):
+        return sum(u.param_bytes for u in self.units)
+
+    @property
+    def state_bytes(self):
+        return sum(u.state_bytes for u in self.units)
+
+    @property
+    def activation_bytes(self):
+        return sum(u.input_bytes for u in self.units) + self.output_bytes
+
+    def __str__(self):
+        lines = [f"{'#':>4}  {'phase':<8} {'kind':<7} {'item':<36} "
+                 f"{'bytes':>14}"]
+        for a in self.accesses:
+            lines.append(f"{a.position:>4}  {a.phase:<8} {a.kind:<7} "
+                         f"{a.item[:36]:<36} {a.nbytes:>14,}")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------ Keras models
+def chain_layers(model):
+    """The layers of `model` in execution order (input layers dropped).
+
+    The layer-wise trainer runs them one after another, each on the previous
+    one's output, which is what a `keras.Sequential` does; for any other
+    model the trainer checks that on a probe batch (`verify_chain`).
+
+    Raises:
+        ValueError: the model is not built or has no layers.
+    """
+    import keras  # noqa: PLC0415
+    if not model.built:
+        raise ValueError("the model must be built (give it a keras.Input or "
+                         "call model.build) before its step is recorded")
+    layers = [layer for layer in model.layers
+              if not isinstance(layer, keras.layers.InputLayer)]
+    if not layers:
+        raise ValueError("the model has no layers")
+    return layers
+
+
+def explicit_backward(layer):
+    """Whether `layer` has a backward computed from (input, output, params).
+
+    True for a plain `keras.layers.Dense` (no LoRA, not quantized) whose
+    activation is linear, relu, sigmoid or tanh: its gradient is two matrix
+    products, a sum and the activation's derivative taken from its output,
+    so a staged Dense needs no recomputation. Returns (explicit,
+    needs_output).
+    """
+    import keras  # noqa: PLC0415
+    if type(layer) is not keras.layers.Dense:
+        return False, False
+    if getattr(layer, "lora_enabled", False) or \
+            getattr(layer, "quantization_mode", None):
+        return False, False
+    activation = layer.activation
+    if activation in (None, keras.activations.linear):
+        return True, False
+    if activation in (keras.activations.relu, keras.activations.sigmoid,
+                      keras.activations.tanh):
+        return True, True
+    return False, False
+
+
+def _nbytes(shape, dtype):
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
+def _variable_bytes(variables):
+    return sum(_nbytes(tuple(v.shape), v.dtype) for v in variables)
+
+
+def _dense_flops(layer, input_shape):
+    if type(layer).__name__ == "Dense":
+        rows = int(np.prod(input_shape[:-1], dtype=np.int64))
+        return 2 * rows * int(input_shape[-1]) * int(layer.units)
+    return 0
+
+
+def record_model(model, batch_size, state_bytes=None, layers=None):
+    """Records one training step of `model` as an `AccessSequence`.
+
+    Nothing is computed: the sizes come from the variables and from Keras'
+    symbolic shape inference at `batch_size`.
+
+    Args:
+        model: a built Keras model that is a chain of layers.
+        batch_size: the training batch size.
+        state_bytes: optional list (one per layer) of optimizer-state bytes.
+            Defaults to None (no state).
+        layers: the chain, if already extracted. Defaults to None.
+
+    Returns:
+        An `AccessSequence`.
+
+    Example:
+
+    ```python
+    seq = record_model(model, batch_size=64)
+    print(seq)          # one line per access
+    ```
+    """
+    import keras  # noqa: PLC0415
+    layers = chain_layers(model) if layers is None else layers
+    input_shape = tuple(model.inputs[0].shape) if getattr(
+        model, "inputs", None) else None
+    if input_shape is None:
+        raise ValueError("the model has no known input shape: build it with "
+                         "a keras.Input")
+    spec = keras.KerasTensor((batch_size,) + tuple(input_shape[1:]),
+                             dtype=model.inputs[0].dtype)
+    units = []
+    for i, layer in enumerate(layers):
+        out = layer.compute_output_spec(spec)
+        explicit, needs_output = explicit_backward(layer)
+        units.append(UnitRecord(
+            i, layer.name, _variable_bytes(layer.trainable_variables),
+            _nbytes(spec.shape, spec.dtype), _nbytes(out.shape, out.dtype),
+            state_bytes=state_bytes[i] if state_bytes else 0,
+            backward="explicit" if explicit else "autodiff",
+            needs_output=needs_output,
+            flops=_dense_flops(layer, spec.shape)))
+        spec = out
+    return AccessSequence(units, batch_size=batch_size)

@@ -1,0 +1,806 @@
+"""Layer-wise training under a device-memory budget (GeePS' memory manager).
+
+`model.fit` compiles a whole step into one graph: every layer's parameters
+are read at the start and held until the gradient is done, so nothing can
+leave the device mid-step. `LayerwiseTrainer` runs the step layer by layer
+instead, each layer's forward and backward a compiled `tf.function`, so that
+between two uses a staged layer's parameters really leave the device:
+
+- A *resident* layer keeps its Keras variables (and its optimizer state) on
+  the device all the time, as under `model.fit`.
+- A *staged* layer's variables hold no storage between uses (0 elements;
+  see `swapping.empty_variable`); its values live in a host store (pinned
+  on a GPU). A background prefetcher swaps them in (`ops.swap_in`, straight
+  into the variables) ahead of the layer's forward use and again ahead of
+  its backward use (with its optimizer state), within the access pool's
+  bytes; after the layer's update a background writer swaps parameters and
+  state out (`ops.swap_out`) and empties the variables.
+- An *offloaded* activation (a layer's input) is swapped out after the
+  layer's forward use and prefetched back for its backward use.
+
+The backward of a layer is computed from what is on the device then: a
+Dense layer from its saved input and output and its parameters read again
+("explicit"); another layer from its forward pass's tape when nothing of it
+left the device ("taped"), else by running its forward again from its saved
+input ("recompute", with its non-trainable state such as BatchNorm
+statistics and dropout seeds restored first, so it computes the same
+thing). Each layer's update is applied as soon as its gradient is known,
+by its own copy of the optimizer (GeePS keeps optimizer state as each
+layer's local data); with a `ParameterSync` it is then pushed to the shards
+and clocked, layer by layer, and each staged layer is pulled from the
+shards straight into the host store.
+
+Every byte the trainer holds on the device is counted in a `DeviceLedger`
+(resident tables, pool, activations); with `audit=True` every change is
+also measured (the variables' real storage, the tensors held) and compared.
+"""
+
+import contextlib
+import functools
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from keras_geeps import ops
+from keras_geeps.errors import GeePSError
+from keras_geeps.memory import swapping
+from keras_geeps.memory.planner import plan as make_plan
+from keras_geeps.memory.recorder import (chain_layers, explicit_backward,
+                                         record_model)
+from keras_geeps.memory.swapping import (AccessPool, DeviceLedger, HostStore,
+                                         Worker, tensor_bytes)
+
+
+def _tf_variable(variable):
+    """The tf.Variable behind a keras.Variable (TensorFlow backend)."""
+    if isinstance(variable, tf.Variable):
+        return variable
+    inner = getattr(variable, "value", None)
+    if isinstance(inner, tf.Variable):
+        return inner
+    raise TypeError(f"{variable!r} is no TensorFlow-backed variable")
+
+
+def _host_tensor(array):
+    """A CPU tensor sharing a 64-byte-aligned numpy array's memory."""
+    return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+
+
+def _host_array(tensor):
+    """A numpy view of a CPU tensor."""
+    if "CPU" in tensor.device.upper():
+        return np.from_dlpack(tensor)
+    return tensor.numpy()
+
+
+def _clone_optimizer(optimizer):
+    config = optimizer.get_config()
+    if config.get("global_clipnorm"):
+        raise ValueError("global_clipnorm spans every layer; the layer-wise "
+                         "trainer updates each layer on its own: use clipnorm")
+    if type(optimizer).__name__ == "LossScaleOptimizer":
+        raise ValueError("LossScaleOptimizer is not supported by the "
+                         "layer-wise trainer")
+    return type(optimizer).from_config(config)
+
+
+class _Unit:
+    """One layer at run time: its variables, optimizer and compiled steps."""
+
+    def __init__(self, index, layer, optimizer, device):
+        self.index = index
+        self.name = layer.name
+        self.record = None     # its UnitRecord, set by the trainer
+        self.layer = layer
+        self.device = device
+        self.params = list(layer.trainable_variables)
+        self.tf_params = [_tf_variable(v) for v in self.params]
+        self.optimizer = optimizer
+        self.state = []
+        if optimizer is not None:
+            before = {id(v) for v in optimizer.variables}
+            with tf.device(device):
+                optimizer.build(self.params)
+            self.state = [v for v in optimizer.variables
+                          if id(v) not in before]
+        self.tf_state = [_tf_variable(v) for v in self.state]
+        self.tf_all = self.tf_params + self.tf_state
+        self.param_bytes = sum(tensor_bytes(v) for v in self.tf_params)
+        self.table_bytes = sum(tensor_bytes(v) for v in self.tf_all)
+        self.nt = [_tf_variable(v) for v in layer.non_trainable_variables]
+        self.explicit, self.needs_output = explicit_backward(layer)
+        self.want_dx = False   # set by the trainer
+        self.tables = []       # ParameterSync table indices
+        self.table_positions = {}  # table index -> positions in tf_params
+        def fn(method):
+            # A closure per layer: TensorFlow's retracing warning counts
+            # traces per Python function, and every layer traces its own.
+            return tf.function(lambda *args: method(*args),
+                               reduce_retracing=True)
+
+        self.forward = fn(self._forward)
+        self.fill_params = fn(self._fill_params)
+        self.fill_all = fn(self._fill_all)
+        self.empty_params = fn(self._empty_params)
+        self.stash = fn(self._stash)
+        self.apply = fn(self._apply)
+        self.backward_explicit = fn(self._backward_explicit)
+        self.backward_apply = fn(self._backward_apply)
+
+    @property
+    def has_params(self):
+        return bool(self.params)
+
+    # ---------------------------------------------------------- compute
+    def _forward(self, x):
+        return self.layer(x, training=True)
+
+    def taped_forward(self, x):
+        """Runs the forward under a tape watching what the gradient needs."""
+        tape = tf.GradientTape(watch_accessed_variables=False)
+        with tape:
+            if self.want_dx:
+                tape.watch(x)
+            tape.watch(self.tf_params)
+            y = self.forward(x)
+        return tape, y
+
+    def tape_gradient(self, tape, x, y, dy):
+        sources = ([x] if self.want_dx else []) + self.tf_params
+        grads = tape.gradient(y, sources, output_gradients=dy,
+                              unconnected_gradients="zero")
+        if self.want_dx:
+            return grads[0], grads[1:]
+        return None, grads
+
+    def _backward_explicit(self, x, y, dy):
+        import keras  # noqa: PLC0415
+        act = self.layer.activation
+        if act is keras.activations.relu:
+            dz = tf.raw_ops.ReluGrad(gradients=dy, features=y)
+        elif act is keras.activations.sigmoid:
+            dz = tf.raw_ops.SigmoidGrad(y=y, dy=dy)
+        elif act is keras.activations.tanh:
+            dz = tf.raw_ops.TanhGrad(y=y, dy=dy)
+        else:
+            dz = dy
+        kernel = _tf_variable(self.layer.kernel)
+        w = kernel.read_value()
+        x2 = tf.reshape(x, [-1, w.shape[0]])
+        dz2 = tf.reshape(dz, [-1, w.shape[1]])
+        grads = {id(kernel): tf.matmul(x2, dz2, transpose_a=True)}
+        if self.layer.bias is not None:
+            grads[id(_tf_variable(self.layer.bias))] = tf.reduce_sum(dz2, 0)
+        dx = None
+        if self.want_dx:
+            dx = tf.reshape(tf.matmul(dz2, w, transpose_b=True), tf.shape(x))
+        return dx, [grads[id(v)] for v in self.tf_params]
+
+    def _backward_apply(self, x, y, dy):
+        """The explicit backward and the optimizer's update, in one call."""
+        dx, grads = self._backward_explicit(x, y, dy)
+        self.optimizer.apply(grads, self.params)
+        return dx
+
+    def _apply(self, grads):
+        self.optimizer.apply(grads, self.params)
+
+    def snapshot_state(self):
+        """Copies of the non-trainable variables (before a forward that will
+        be recomputed)."""
+        return [tf.identity(v.read_value()) for v in self.nt]
+
+    def restore_state(self, values):
+        for v, value in zip(self.nt, values):
+            v.assign(value)
+
+    # ---------------------------------------------------------- staging
+    def _fill(self, variables, hosts):
+        with tf.device(self.device):
+            for v, h in zip(variables, hosts):
+                swapping.assign_variable(v, ops.swap_in(h))
+
+    def _fill_params(self, hosts):
+        self._fill(self.tf_params, hosts)
+
+    def _fill_all(self, hosts):
+        self._fill(self.tf_all, hosts)
+
+    def _empty_params(self):
+        with tf.device(self.device):
+            for v in self.tf_params:
+                swapping.empty_variable(v)
+
+    def _stash(self):
+        with tf.device(self.device):
+            hosts = [ops.swap_out(v.read_value()) for v in self.tf_all]
+            with tf.control_dependencies(hosts):
+                for v in self.tf_all:
+                    swapping.empty_variable(v)
+        return hosts
+
+
+class LayerwiseTrainer:
+    """Trains a Keras model layer by layer within a device-memory budget.
+
+    Records the step once (`record_model`), plans it (`plan`) and then runs
+    every step as the plan says: resident layers stay on the device, staged
+    layers are prefetched through a double-buffered access pool by a
+    background thread and written back by another, offloaded activations
+    wait in host memory between the passes. The weights it reaches do not
+    depend on the budget: a budget changes where data waits, not what is
+    computed.
+
+    The model must be a chain of layers (`keras.Sequential`, or a
+    functional model checked to behave as one). Layer regularisation losses
+    are not added to the loss; the optimizer is copied per layer (so
+    `global_clipnorm` and `LossScaleOptimizer` are refused).
+
+    Between steps the staged layers' variables hold no storage: call
+    `materialize()` (or `GeePSStrategy.sync()`) before evaluating, predicting
+    or saving; the next `train_step` releases them again.
+
+    Example:
+
+    ```python
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1),
+                               keras.losses.SparseCategoricalCrossentropy(),
+                               batch_size=64,
+                               device_memory_budget=256 << 20)
+    print(trainer.plan)
+    for x, y in dataset:
+        loss = trainer.train_step(x, y)
+    trainer.materialize()
+    model.evaluate(...)
+    ```
+
+    Args:
+        model: a built Keras model (chain of layers).
+        optimizer: a Keras optimizer (copied per layer).
+        loss: a callable `loss(y_true, y_pred)` returning a scalar.
+        batch_size: the training batch size (for the activation sizes).
+        device_memory_budget: bytes the trainer may hold on the device
+            (tables, pool, saved activations). Defaults to None: no limit.
+        offload_activations: None, "auto" or a list of layer names (see
+            `plan`). Defaults to None.
+        sync: a `ParameterSync` to pull from and push to the shards.
+            Defaults to None (local training).
+        device: where the step runs. Defaults to None: the first GPU if one
+            is visible, else the CPU.
+        audit: measure the real device bytes after every change and compare
+            with the ledger (slower; for tests). Defaults to False.
+    """
+
+    def __init__(self, model, optimizer, loss, batch_size,
+                 device_memory_budget=None, offload_activations=None,
+                 sync=None, device=None, audit=False):
+        if device is None:
+            device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
+                      else "/cpu:0")
+        self.device = device
+        self.model = model
+        self.sync = sync
+        self.layers = chain_layers(model)
+        self._verify_chain()
+        self.units = [
+            _Unit(i, layer, _clone_optimizer(optimizer)
+                  if layer.trainable_variables else None, device)
+            for i, layer in enumerate(self.layers)]
+        self.sequence = record_model(
+            model, batch_size, layers=self.layers,
+            state_bytes=[u.table_bytes - u.param_bytes for u in self.units])
+        for unit, record in zip(self.units, self.sequence.units):
+            unit.record = record
+        self.plan = make_plan(self.sequence, device_memory_budget,
+                              offload_activations)
+        first = [u.index for u in self.units if u.has_params]
+        self._first_needed = first[0] if first else len(self.units)
+        for unit in self.units:
+            unit.want_dx = unit.index > self._first_needed
+        self._loss = tf.function(loss, reduce_retracing=True)
+        self.ledger = DeviceLedger(self._measure if audit else None)
+        self.pool = AccessPool(self.plan.pool_bytes)
+        self.store = HostStore()
+        self._held = {}   # activation index -> device tensor we hold
+        self._act_category = {}
+        self._host_acts = {}
+        self.last_prefetches = []  # items the prefetcher brought in, last step
+        self._materialized = False
+        self._broken = False
+        self._closed = False
+        self.steps = 0
+        self.step_seconds = 0.0
+        self.prefetch_wait_seconds = 0.0
+        self.swapped_in_bytes = 0
+        self.swapped_out_bytes = 0
+        if sync is not None:
+            self._attach_sync(sync)
+        self._audit_all = [v for u in self.units for v in u.tf_all]
+        with self._locked():
+            resident = sum(u.table_bytes for u in self.units
+                           if not self.plan.staged[u.index])
+            staged = [u for u in self.units if self.plan.staged[u.index]]
+            for unit in staged:
+                self.store.put(unit.index, unit.stash())
+            self.ledger.change("resident", resident, "setup")
+        self.prefetcher = Worker("geeps-prefetch", device)
+        self.writer = Worker("geeps-writeback", device)
+
+    # ------------------------------------------------------------ set-up
+    def _verify_chain(self):
+        import keras  # noqa: PLC0415
+        if isinstance(self.model, keras.Sequential):
+            return
+        spec = self.model.inputs[0]
+        shape = [2] + [d or 1 for d in spec.shape[1:]]
+        if np.dtype(spec.dtype).kind == "f":
+            x = tf.random.stateless_uniform(shape, seed=[7, 11],
+                                            dtype=spec.dtype)
+        else:
+            x = tf.zeros(shape, spec.dtype)
+        message = ("the model is not a chain of its layers (applying "
+                   "model.layers one after another does not give its "
+                   "output): the layer-wise trainer cannot run it")
+        expected = self.model(x, training=False)
+        out = x
+        try:
+            for layer in self.layers:
+                out = layer(out, training=False)
+        except Exception as exc:  # e.g. a merge layer given one tensor
+            raise ValueError(message) from exc
+        if not (tuple(np.shape(expected)) == tuple(np.shape(out))
+                and np.allclose(np.asarray(expected), np.asarray(out),
+                                rtol=1e-5, atol=1e-6)):
+            raise ValueError(message)
+
+    def _attach_sync(self, sync):
+        if not sync.built:
+            sync.build()
+        owner = {}
+        for unit in self.units:
+            for pos, v in enumerate(unit.tf_params):
+                owner[id(v)] = (unit, pos)
+        for t, layer in enumerate(sync.tables):
+            units = {id(owner.get(id(v), (None,))[0]) for v in
+                     layer.variables}
+            hits = [owner.get(id(v)) for v in layer.variables]
+            if None in hits or len(units) != 1:
+                raise GeePSError(
+                    f"parameter table {layer.name!r} is not one layer of the "
+                    "model given to the layer-wise trainer: create only this "
+                    "model's variables in the strategy's scope")
+            unit = hits[0][0]
+            unit.tables.append(t)
+            unit.table_positions[t] = [pos for _, pos in hits]
+        for unit in self.units:
+            covered = sum(len(p) for p in unit.table_positions.values())
+            if covered != len(unit.tf_params):
+                raise GeePSError(f"layer {unit.name!r} has variables in no "
+                                 "parameter table")
+
+    def _locked(self):
+        """The ledger's lock while auditing (so a measurement never sees a
+        copy half done), else nothing."""
+        if self.ledger.audit is not None:
+            return self.ledger.lock
+        return contextlib.nullcontext()
+
+    def _measure(self):
+        total = int(swapping.stored_bytes(self._audit_all))
+        return total + sum(tensor_bytes(t) for t in self._held.values())
+
+    def measure_device_bytes(self):
+        """Measured device bytes now: {"resident": tables the plan keeps on
+        the device, "staged": storage the staged layers' variables hold}."""
+        resident = [v for u in self.units if not self.plan.staged[u.index]
+                    for v in u.tf_all]
+        staged = [v for u in self.units if self.plan.staged[u.index]
+                  for v in u.tf_all]
+        return {"resident": int(swapping.stored_bytes(resident)),
+                "staged": int(swapping.stored_bytes(staged))}
+
+    # ------------------------------------------------------ activations
+    def _hold(self, index, tensor, category):
+        with self._locked():
+            self._held[index] = tensor
+            self._act_category[index] = category
+            self.ledger.change(category, tensor_bytes(tensor),
+                               f"hold act {index}")
+
+    def _drop(self, index):
+        tensor = self._held.get(index)
+        if tensor is None:
+            return
+        category = self._act_category.pop(index)
+        with self._locked():
+            del self._held[index]
+            self.ledger.change(category, -tensor_bytes(tensor),
+                               f"drop act {index}")
+        if category == "pool":
+            self.pool.release(tensor_bytes(tensor))
+
+    def _offload(self, index, tensor):
+        """Writer job: swaps an activation out and frees the device copy."""
+        host = ops.swap_out(tensor)
+        self._host_acts[index] = host
+        self.swapped_out_bytes += tensor_bytes(tensor)
+        self._drop(index)
+
+    # ------------------------------------------------------ staging jobs
+    def _bring_forward(self, unit):
+        """Prefetcher job: staged parameters into the layer's variables."""
+        if self.sync is not None:
+            self._pull_staged(unit)
+        nbytes = unit.param_bytes
+        self.pool.reserve(nbytes, f"forward {unit.name}")
+        self.last_prefetches.append(f"table:{unit.name}")
+        hosts = self.store.get(unit.index)[:len(unit.tf_params)]
+        with self._locked():
+            unit.fill_params(hosts)
+            self.ledger.change("pool", nbytes, f"fill {unit.name}")
+        self.swapped_in_bytes += nbytes
+
+    def _release_forward(self, unit):
+        """Writer job: empties a staged layer's variables after its forward
+        use and gives its bytes back to the pool."""
+        with self._locked():
+            unit.empty_params()
+            self.ledger.change("pool", -unit.param_bytes,
+                               f"empty {unit.name}")
+        self.pool.release(unit.param_bytes)
+
+    def _bring_backward(self, unit, after):
+        """Prefetcher job: staged parameters and state, offloaded input
+        (after the jobs `after`: the forward release, the offload)."""
+        staged = self.plan.staged[unit.index]
+        offloaded = self.plan.offloaded[unit.index]
+        for job in after:
+            job.wait()
+        nbytes = (unit.table_bytes if staged else 0) + \
+            (unit.record.input_bytes if offloaded else 0)
+        self.pool.reserve(nbytes, f"backward {unit.name}")
+        if offloaded:  # in access order: the input, then the table
+            self.last_prefetches.append(f"act:{unit.name}")
+            host = self._host_acts.pop(unit.index)
+            act = ops.swap_in(host)
+            self._hold(unit.index, act, "pool")
+            self.swapped_in_bytes += tensor_bytes(act)
+            extra = unit.record.input_bytes - tensor_bytes(act)
+            if extra:  # a last, smaller batch
+                self.pool.release(extra)
+        if staged:
+            self.last_prefetches.append(f"table:{unit.name}")
+            with self._locked():
+                unit.fill_all(self.store.get(unit.index))
+                self.ledger.change("pool", unit.table_bytes,
+                                   f"fill all {unit.name}")
+            self.swapped_in_bytes += unit.table_bytes
+
+    def _write_back(self, unit, push=True):
+        """Writer job: parameters and state out to the host store (and,
+        with `push`, the update to the shards)."""
+        with self._locked():
+            hosts = unit.stash()
+            self.ledger.change("pool", -unit.table_bytes,
+                               f"stash {unit.name}")
+        self.pool.release(unit.table_bytes)
+        self.swapped_out_bytes += unit.table_bytes
+        self.store.put(unit.index, hosts)
+        if self.sync is not None and push:
+            self._push_staged(unit, hosts)
+
+    def _wait(self, job):
+        started = time.perf_counter()
+        result = job.wait()
+        self.prefetch_wait_seconds += time.perf_counter() - started
+        return result
+
+    # ------------------------------------------------------------ the step
+    def train_step(self, x, y):
+        """Runs one training step; returns the loss (a scalar tensor).
+
+        Args:
+            x: a batch of inputs.
+            y: its targets.
+        """
+        loss = self._run(x, y, None)
+        self.steps += 1
+        return loss
+
+    def compute_gradients(self, x, y):
+        """Runs a step's forward and backward under the plan without
+        updating anything (nothing is pushed); returns (loss, gradients),
+        gradients a list, per layer, of that layer's trainable-variable
+        gradients (empty for a layer without parameters).
+
+        Args:
+            x: a batch of inputs.
+            y: its targets.
+        """
+        gradients = {}
+        loss = self._run(x, y, gradients)
+        return loss, [gradients.get(u.index, []) for u in self.units]
+
+    def _run(self, x, y, gradients):
+        if self._closed:
+            raise GeePSError("the trainer is closed")
+        if self._broken:
+            raise GeePSError("an earlier step failed midway; the trainer's "
+                             "state is inconsistent: create a new one")
+        batch = int(np.shape(x)[0])
+        if batch > self.sequence.batch_size:
+            raise ValueError(f"a batch of {batch} is larger than the "
+                             f"batch_size={self.sequence.batch_size} the "
+                             "memory plan was made for")
+        if self._materialized:
+            self.release()
+        started = time.perf_counter()
+        try:
+            with tf.device(self.device):
+                loss = self._step(x, y, gradients)
+        except BaseException:
+            self._broken = True
+            self.pool.close()
+            raise
+        self.step_seconds += time.perf_counter() - started
+        return loss
+
+    def _step(self, x, y, gradients=None):
+        """One step; with a dict `gradients`, the gradients are put there
+        (by layer index) instead of applied."""
+        plan = self.plan
+        units = self.units
+        count = len(units)
+        if self.sync is not None:
+            for unit in units:
+                if not plan.staged[unit.index]:
+                    for t in unit.tables:
+                        self.sync.pull(t)
+        self.last_prefetches = []
+        forward_jobs = {}
+        for unit in units:
+            if plan.staged[unit.index]:
+                forward_jobs[unit.index] = self.prefetcher.submit(
+                    functools.partial(self._bring_forward, unit),
+                    f"prefetch of {unit.name} (forward)")
+        with tf.device(self.device):
+            x = tf.identity(x)
+        self._hold(0, x, "activations")
+        del x
+        tapes, states, offload_jobs, release_jobs = {}, {}, {}, {}
+        last_offload = None
+
+        # ----- forward, layer by layer
+        for unit in units:
+            i = unit.index
+            if i in forward_jobs:
+                self._wait(forward_jobs[i])
+            xi = self._held[i]
+            needed = i >= self._first_needed
+            mode = plan.modes[i]
+            if needed and mode == "taped":
+                tapes[i], yi = unit.taped_forward(xi)
+            elif needed and mode == "recompute":
+                if unit.nt:
+                    states[i] = unit.snapshot_state()
+                _, yi = unit.taped_forward(xi)  # the same computation
+            else:
+                yi = unit.forward(xi)
+            del xi
+            if i in forward_jobs:
+                release_jobs[i] = self.writer.submit(
+                    functools.partial(self._release_forward, unit),
+                    f"release of {unit.name} (forward)")
+            self._hold(i + 1, yi, "activations")
+            del yi
+            if not needed:
+                self._drop(i)
+            elif plan.offloaded[i]:
+                # One offload in flight at a time (the plan counts one).
+                if last_offload is not None:
+                    last_offload.wait()
+                offload_jobs[i] = last_offload = self.writer.submit(
+                    functools.partial(self._offload, i, self._held[i]),
+                    f"offload of {unit.name}'s input")
+
+        # ----- backward prefetches, in backward order
+        backward_jobs = {}
+        for unit in reversed(units[self._first_needed:]):
+            i = unit.index
+            if plan.staged[i] or plan.offloaded[i]:
+                after = [job for job in (release_jobs.get(i),
+                                         offload_jobs.get(i)) if job]
+                backward_jobs[i] = self.prefetcher.submit(
+                    functools.partial(self._bring_backward, unit, after),
+                    f"prefetch of {unit.name} (backward)")
+
+        # ----- the loss
+        out = self._held[count]
+        with tf.device(self.device):
+            with tf.GradientTape() as tape:
+                tape.watch(out)
+                loss = self._loss(y, out)
+            dy = tape.gradient(loss, out)
+        del out, tape
+
+        # ----- backward, layer by layer, each update applied and sent
+        for unit in reversed(units[self._first_needed:]):
+            i = unit.index
+            if i in backward_jobs:
+                self._wait(backward_jobs[i])
+            xi = self._held[i]
+            mode = plan.modes[i]
+            grads = None
+            if mode == "explicit":
+                yi = self._held[i + 1] if unit.needs_output else xi
+                if gradients is None and unit.has_params:
+                    dx = unit.backward_apply(xi, yi, dy)  # update applied
+                else:
+                    dx, grads = unit.backward_explicit(xi, yi, dy)
+            elif mode == "taped":
+                tape = tapes.pop(i)
+                dx, grads = unit.tape_gradient(tape, xi, self._held[i + 1],
+                                               dy)
+                del tape
+            else:
+                if i in states:
+                    unit.restore_state(states.pop(i))
+                tape, yi = unit.taped_forward(xi)
+                dx, grads = unit.tape_gradient(tape, xi, yi, dy)
+                del tape
+            yi = None
+            del xi, dy
+            self._drop(i + 1)
+            if unit.has_params:
+                if gradients is not None:
+                    gradients[i] = list(grads)
+                elif grads is not None:
+                    unit.apply(grads)
+                if plan.staged[i]:
+                    self.writer.submit(
+                        functools.partial(self._write_back, unit,
+                                          gradients is None),
+                        f"write-back of {unit.name}")
+                elif self.sync is not None and gradients is None:
+                    for t in unit.tables:
+                        self.sync.push(t)
+            del grads
+            dy = dx
+        del dy
+        for index in list(self._held):
+            self._drop(index)
+        self.writer.drain()
+        self.prefetcher.drain()
+        return loss
+
+    # ------------------------------------------------- parameter server
+    def _pull_staged(self, unit):
+        """Brings a staged layer's tables from the shards into the host
+        store (no device memory is involved)."""
+        sync = self.sync
+        client = sync.client
+        for t in unit.tables:
+            layer = sync.tables[t]
+            table = layer.table
+            positions = unit.table_positions[t]
+            started = time.perf_counter()
+            with sync.lock:
+                client.wait_fresh(table)
+            sync.pull_wait_seconds += time.perf_counter() - started
+            hosts = self.store.get(unit.index)
+            if tuple(table.ages) == layer.pulled_ages and \
+                    layer.snapshot is not None:
+                if layer.snapshot_stale:  # own updates stay; re-base
+                    with tf.device("/cpu:0"):
+                        layer.snapshot = ops.pack(
+                            [hosts[p] for p in positions], layer.layout)
+                    layer.snapshot_stale = False
+                sync.pull_seconds += time.perf_counter() - started
+                continue
+            buffer = layer.next_buffer()
+            with sync.lock:
+                client.read(table, out=buffer.reshape(table.rows,
+                                                      table.width))
+            layer.pulled_ages = tuple(table.last_read_ages)
+            sync.max_staleness = max(sync.max_staleness,
+                                     table.clock - table.last_read_age)
+            snapshot = _host_tensor(buffer)
+            layer.snapshot = snapshot
+            layer.snapshot_stale = False
+            with tf.device("/cpu:0"):
+                pieces = tf.split(snapshot, list(layer.layout.sizes))
+                for p, piece, shape in zip(positions, pieces,
+                                           layer.layout.shapes):
+                    hosts[p] = tf.reshape(piece, shape)
+            sync.pull_seconds += time.perf_counter() - started
+
+    def _push_staged(self, unit, hosts):
+        """Sends a staged layer's update (host values minus the pulled
+        snapshot) and clocks its tables."""
+        sync = self.sync
+        for t in unit.tables:
+            started = time.perf_counter()
+            layer = sync.tables[t]
+            table = layer.table
+            values = [hosts[p] for p in unit.table_positions[t]]
+            with tf.device("/cpu:0"):
+                delta = ops.pack(values, layer.layout,
+                                 snapshot=layer.snapshot)
+                if sync.scale != 1.0:
+                    delta = delta * tf.constant(sync.scale, delta.dtype)
+            rows = _host_array(delta).reshape(table.rows, table.width)
+            with sync.lock:
+                sync.client.update(table, rows, copy=False)
+                sync.client.clock([table])
+            layer.snapshot_stale = True
+            if t == 0:
+                sync.steps += 1
+            sync.push_seconds += time.perf_counter() - started
+
+    # ------------------------------------------------------------ helpers
+    def fit(self, dataset, epochs=1):
+        """Runs `train_step` over `(x, y)` batches of `dataset` for `epochs`;
+        returns the mean loss of each epoch."""
+        history = []
+        for _ in range(epochs):
+            losses = [float(self.train_step(x, y)) for x, y in dataset]
+            history.append(float(np.mean(losses)) if losses else float("nan"))
+        return history
+
+    def materialize(self):
+        """Gives every staged layer its variables back (outside the budget),
+        so the model can be evaluated, saved or synced. The next
+        `train_step` stages them out again."""
+        if self._materialized:
+            return
+        self.writer.drain()
+        self._materialized = True
+        for unit in self.units:
+            if self.plan.staged[unit.index]:
+                with self._locked():
+                    unit.fill_all(self.store.get(unit.index))
+                    self.ledger.change("materialized", unit.table_bytes,
+                                       f"materialize {unit.name}")
+
+    def release(self):
+        """Stages the staged layers out again after `materialize()`."""
+        if not self._materialized:
+            return
+        for unit in self.units:
+            if self.plan.staged[unit.index]:
+                with self._locked():
+                    self.store.put(unit.index, unit.stash())
+                    self.ledger.change("materialized", -unit.table_bytes,
+                                       f"release {unit.name}")
+        self._materialized = False
+
+    @property
+    def materialized(self):
+        """True while every layer's variables hold their values."""
+        return self._materialized or not any(self.plan.staged)
+
+    def stats(self):
+        """The trainer's figures: steps, time, waits, bytes moved, ledger."""
+        return {"steps": self.steps, "step_seconds": self.step_seconds,
+                "prefetch_wait_seconds": self.prefetch_wait_seconds,
+                "pool_wait_seconds": self.pool.wait_seconds,
+                "pool_peak_reserved": self.pool.peak,
+                "swapped_in_bytes": self.swapped_in_bytes,
+                "swapped_out_bytes": self.swapped_out_bytes,
+                "host_store_bytes": self.store.nbytes,
+                **self.ledger.figures()}
+
+    def close(self):
+        """Gives the staged layers their variables back (the model then
+        holds all its weights) and stops the background threads."""
+        if self._closed:
+            return
+        try:
+            if not self._broken:
+                self.materialize()
+        finally:
+            self._closed = True
+            self.pool.close()
+            self.prefetcher.close()
+            self.writer.close()

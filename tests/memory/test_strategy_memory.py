@@ -1,0 +1,70 @@
+"""`GeePSStrategy(device_memory_budget=...)`: the layer-wise trainer through
+real shards (threads on 127.0.0.1), against the same run without a budget."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_geeps
+from keras_geeps.errors import GeePSError
+from keras_geeps.memory import MemoryBudgetError
+from tests.memory.test_trainer import (BATCH, STEPS, WIDTH, batches, loss_fn,
+                                       mlp, param_bytes)
+
+
+def run(cluster, budget, data):
+    strategy = keras_geeps.GeePSStrategy(client=cluster.client(0, timeout=30),
+                                         device_memory_budget=budget)
+    try:
+        with strategy.scope():
+            model = mlp()
+        assert strategy.memory_plan is None
+        trainer = strategy.layerwise_trainer(
+            model, keras.optimizers.SGD(0.05), loss_fn(), BATCH, audit=True)
+        losses = [float(trainer.train_step(x, y)) for x, y in data]
+        strategy.sync()
+        predictions = model.predict(data[0][0], verbose=0)
+        return (model.get_weights(), losses, predictions,
+                strategy.memory_plan, trainer.stats(), strategy.ps_stats())
+    finally:
+        strategy.close()
+
+
+def test_budget_through_the_shards_matches_no_budget(thread_cluster):
+    data = batches((WIDTH,), 10)
+    budget = param_bytes(mlp()) // 4
+    free = run(thread_cluster(2, 1), None, data)
+    tight = run(thread_cluster(2, 1), budget, data)
+    plan, stats, ps = tight[3], tight[4], tight[5]
+    assert sum(plan.staged) >= len(plan.staged) - 2
+    assert "host" in str(plan) and f"{budget:,}" in str(plan)
+    # The shards saw every layer's update every step, staged or not.
+    assert ps["steps"] == STEPS and free[5]["steps"] == STEPS
+    assert ps["tables"] == len(plan.staged)
+    for a, b in zip(free[0], tight[0]):
+        np.testing.assert_array_equal(a, b)
+    assert free[1] == tight[1]
+    np.testing.assert_array_equal(free[2], tight[2])
+    assert max(float(np.abs(a - b).max())
+               for a, b in zip(free[0], mlp().get_weights())) > 1e-3
+    assert stats["audit_mismatches"] == 0
+    assert stats["audit_peak_bytes"] <= budget
+
+
+def test_fit_is_refused_and_too_small_a_budget_named(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    strategy = keras_geeps.GeePSStrategy(client=cluster.client(0, timeout=30),
+                                         device_memory_budget=4096)
+    try:
+        with strategy.scope():
+            model = mlp()
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss_fn(),
+                          jit_compile=False)
+        x, y = batches((WIDTH,), 10, steps=1)[0]
+        with pytest.raises(GeePSError, match="layerwise_trainer"):
+            model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        with pytest.raises(MemoryBudgetError, match="minimum budget"):
+            strategy.layerwise_trainer(model, keras.optimizers.SGD(0.1),
+                                       loss_fn(), BATCH)
+    finally:
+        strategy.close()
