@@ -1,5 +1,5 @@
-"""The `keras-geeps` command line: shard, launch, stats, stop, keygen,
-build-ops."""
+"""The `keras-geeps` command line: shard, launch, stats, stop, checkpoint,
+keygen, build-ops."""
 
 import argparse
 import json
@@ -61,6 +61,12 @@ def _cmd_stop(args):
     return 0
 
 
+def _cmd_checkpoint(args):
+    from keras_geeps.protocol import MsgType  # noqa: PLC0415
+    _ask_all(args.shards, MsgType.CHECKPOINT, args.timeout)
+    return 0
+
+
 def _cmd_keygen(args):
     from keras_geeps.auth import keygen  # noqa: PLC0415
     for name in args.names:
@@ -92,8 +98,11 @@ def build_parser():
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_cmd_launch)
 
-    for name, func, text in (("stats", _cmd_stats, "print shard statistics"),
-                             ("stop", _cmd_stop, "stop shards")):
+    for name, func, text in (
+            ("stats", _cmd_stats, "print shard statistics"),
+            ("stop", _cmd_stop, "stop shards"),
+            ("checkpoint", _cmd_checkpoint,
+             "make shards write a checkpoint now (returns once written)")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--shards", required=True,
                          help="comma-separated shard addresses")

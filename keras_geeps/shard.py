@@ -399,6 +399,9 @@ class ShardServer:
             self._send(identity, Message(MsgType.ACK, seq=message.seq))
             self._stop.set()
             return
+        if kind == MsgType.CHECKPOINT:  # admin: ACK once written
+            self._checkpoint_request(identity, message)
+            return
         worker = message.worker
         if not 0 <= worker < self.num_workers:
             raise RequestError(f"worker id {worker} is not in "
@@ -414,9 +417,6 @@ class ShardServer:
                                protocol.ERROR_HELLO_REQUIRED)
         self._last_seen[worker] = time.monotonic()
         if kind == MsgType.HEARTBEAT:
-            return
-        if kind == MsgType.CHECKPOINT:
-            self._checkpoint_request(identity, message)
             return
         handler = {
             MsgType.CREATE: self._create,

@@ -58,3 +58,20 @@ def test_launch_runs_workers_and_exits_zero(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("final 6.0") == 2
     assert "[worker 0]" in result.stdout and "[worker 1]" in result.stdout
+
+
+def test_checkpoint_on_request(process_cluster, tmp_path):
+    cluster = process_cluster(1, 1, shard_args=[
+        "--checkpoint-dir", str(tmp_path)])
+    with cluster.client(0, timeout=10) as client:
+        table = client.create_table("t", 4, 4, init=np.ones((4, 4)))
+        for _ in range(3):
+            client.update(table, np.ones((4, 4), np.float32))
+            client.clock()
+        client.read(table)
+    result = _cli("checkpoint", "--shards", cluster.addresses[0])
+    assert result.returncode == 0, result.stderr
+    from keras_geeps import checkpoint  # noqa: PLC0415
+    (spec, clock, rows), = checkpoint.load(tmp_path, 0, 1, 1).values()
+    assert spec["name"] == "t" and clock == 3
+    np.testing.assert_array_equal(rows, np.full((4, 4), 4.0))
