@@ -79,9 +79,13 @@ class ShardProcess:
                    "--bind", bind, "--shard-id", str(shard_id),
                    "--num-shards", str(num_shards),
                    "--num-workers", str(num_workers), *extra_args]
+        # Linux sends the parent-death signal when the *thread* that forked
+        # exits, so only children of the main thread can use it.
+        in_main = threading.current_thread() is threading.main_thread()
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if in_main else None)
         lines = queue.Queue()
         self._pump = threading.Thread(
             target=_pump, args=(self.process.stdout, f"[shard {shard_id}] ",

@@ -736,14 +736,15 @@ class ShardServer:
 
     def _housekeeping(self):
         if self._writer is not None and not self._writer.is_alive():
-            written, self._writer = self._writer.written, None
+            written, ok = self._writer.written, self._writer.ok
+            self._writer = None
             for table_id, clock in written.items():
                 table = self._tables.get(table_id)
                 if table is not None:
                     table.ckpt_clock = max(table.ckpt_clock, clock)
-            self.stats["checkpoints"] += bool(written)
+            self.stats["checkpoints"] += ok
             for identity, seq in self._ckpt_requests[:self._writer_acks]:
-                self._send(identity, Message(MsgType.ACK, seq=seq) if written
+                self._send(identity, Message(MsgType.ACK, seq=seq) if ok
                            else Message(MsgType.ERROR, seq=seq, meta={
                                "error": "writing the checkpoint failed; "
                                         "see the shard's log"}))
@@ -752,9 +753,9 @@ class ShardServer:
             snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
                          for t in self._tables.values()
                          if t.snapshot is not None}
-            if any(clock > self._tables[tid].ckpt_clock
-                   for tid, (_, clock, _) in snapshots.items()) or (
-                       self._ckpt_requests and snapshots):
+            if self._ckpt_requests or any(
+                    clock > self._tables[tid].ckpt_clock
+                    for tid, (_, clock, _) in snapshots.items()):
                 self._start_writer(snapshots)
         timeout = self.settings.worker_timeout
         if timeout and self._failed is None:
@@ -769,7 +770,7 @@ class ShardServer:
         writer = threading.Thread(target=self._write_checkpoint,
                                   args=(snapshots,), daemon=True,
                                   name=f"geeps-ckpt-{self.shard_id}")
-        writer.written = {}
+        writer.written, writer.ok = {}, False
         self._writer_acks = len(self._ckpt_requests)
         self._writer = writer
         writer.start()
@@ -778,8 +779,10 @@ class ShardServer:
         try:
             checkpoint.write(self.settings.checkpoint_dir, self.shard_id,
                              self.num_shards, self.num_workers, snapshots)
-            threading.current_thread().written = {
-                tid: clock for tid, (_, clock, _) in snapshots.items()}
+            writer = threading.current_thread()
+            writer.written = {tid: clock
+                              for tid, (_, clock, _) in snapshots.items()}
+            writer.ok = True
         except OSError:
             log.exception("shard %d: writing the checkpoint failed",
                           self.shard_id)
