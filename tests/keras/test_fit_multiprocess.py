@@ -62,13 +62,14 @@ def test_bsp_sgd_equals_one_process_with_combined_batch(tmp_path):
 
 @pytest.mark.parametrize("slack", [1, 2, 1000])
 def test_ssp_and_async_converge_within_the_bound(tmp_path, slack):
-    results = _run(tmp_path, "--slack", str(slack), "--epochs", "6",
+    results = _run(tmp_path, "--slack", str(slack), "--epochs", "8",
                    "--optimizer", "sgd", "--lr", "0.1")
     for weights, result in results:
         losses = result["history"]["loss"]
-        # From ~2.2 at the first epoch to below 0.8 (stale reads need the
-        # gentler learning rate: at 0.2 SSP oscillates where BSP does not).
-        assert losses[-1] < 0.8, losses
+        # From ~2.2 in the first epoch to below 0.9 (stale reads need the
+        # gentler learning rate: at 0.2 SSP oscillates where BSP does not;
+        # "async", up to 64 clocks stale, is the slowest).
+        assert losses[-1] < 0.9, losses
         assert losses[-1] < 0.4 * losses[0], losses
         # "Async" (slack 1000) is capped by the shards' max_pending_clocks.
         assert result["stats"]["max_staleness"] <= min(slack, 64)
