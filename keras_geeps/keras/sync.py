@@ -232,8 +232,9 @@ class ParameterSync:
         table = layer.table
         started = time.perf_counter()
         clock = table.clock + self.client.slack if full else None
-        with self.lock:
-            self.client.wait_fresh(table, clock=clock)
+        # Not under self.lock: the push this pull may be waiting for can
+        # come from another thread (the memory manager's write-back).
+        self.client.wait_fresh(table, clock=clock)
         waited = time.perf_counter() - started
         self.pull_wait_seconds += waited
         if tuple(table.ages) == layer.pulled_ages and \
