@@ -239,8 +239,9 @@ class ShardServer:
         settings: a `ShardSettings`. Defaults to `ShardSettings()`.
         restore: load `settings.checkpoint_dir`'s checkpoint first; workers
             then replay the updates it does not cover. Defaults to False.
-        auth: a `keras_geeps.auth.ShardAuth` to require CURVE keys.
-            Defaults to None (no authentication).
+        curve: (secret_key_file, allowed_clients_dir) to require CURVE
+            keys (see `keras_geeps.auth`). Defaults to None (no
+            authentication).
 
     Example:
 
@@ -251,7 +252,7 @@ class ShardServer:
     """
 
     def __init__(self, bind, shard_id, num_shards, num_workers, settings=None,
-                 restore=False, auth=None):
+                 restore=False, curve=None):
         if not 0 <= shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} is not in "
                              f"[0, {num_shards})")
@@ -262,7 +263,10 @@ class ShardServer:
         self.num_workers = num_workers
         self.settings = settings or ShardSettings()
         self._context = zmq.Context()
-        self._auth = auth(self._context) if callable(auth) else auth
+        self._auth = None
+        if curve is not None:
+            from keras_geeps.auth import ShardAuth  # noqa: PLC0415
+            self._auth = ShardAuth(self._context, *curve)
         self._socket = self._context.socket(zmq.ROUTER)
         if self._auth is not None:
             self._auth.apply(self._socket)
@@ -902,19 +906,15 @@ def run_from_args(args):
                              checkpoint_every=args.checkpoint_every,
                              worker_timeout=args.worker_timeout,
                              on_worker_failure=args.on_worker_failure)
-    auth = None
+    curve = None
     if args.curve_secret_key or args.curve_allowed_clients:
         if not (args.curve_secret_key and args.curve_allowed_clients):
             raise SystemExit("--curve-secret-key and --curve-allowed-clients"
                              " go together")
-        from keras_geeps.auth import ShardAuth  # noqa: PLC0415
-
-        def auth(context):
-            return ShardAuth(context, args.curve_secret_key,
-                             args.curve_allowed_clients)
+        curve = (args.curve_secret_key, args.curve_allowed_clients)
     server = ShardServer(args.bind, args.shard_id, args.num_shards,
                          args.num_workers, settings, restore=args.restore,
-                         auth=auth)
+                         curve=curve)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.request_stop())
     print(f"keras_geeps shard {args.shard_id}/{args.num_shards} serving "

@@ -16,7 +16,6 @@ its cache); it serves custom code that reads and updates row subsets, e.g.
 embedding tables.
 """
 
-import numpy as np
 import tensorflow as tf
 
 from keras_geeps import ops

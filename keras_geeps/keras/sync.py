@@ -59,7 +59,7 @@ def layer_name(variable):
     return name.rsplit("/", 1)[0] if "/" in name else name
 
 
-def _as_tensor(array):
+def as_tensor(array):
     """A CPU tensor sharing `array`'s memory (DLPack; must be 64-B aligned).
 
     `tf.convert_to_tensor` copies; at ~40 MB per step that copy is a
@@ -68,7 +68,7 @@ def _as_tensor(array):
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
-def _as_host_array(tensor):
+def as_host_array(tensor):
     """A numpy view of a CPU tensor (DLPack), a copy for other devices.
 
     `Tensor.numpy()` copies; the client sends the view without a copy and
@@ -167,7 +167,7 @@ class ParameterSync:
                 self.build()
         if not self.tables:
             return call()
-        pulls = [tf.py_function(functools.partial(self.pull, i), [],
+        pulls = [tf.py_function(functools.partial(self._pull_op, i), [],
                                 tf.bool, name=f"geeps_pull_{i}")
                  for i in range(len(self.tables))]
         outer, self._updated = self._updated, set()
@@ -187,7 +187,7 @@ class ParameterSync:
                 # Reading the variables orders the push after their updates.
                 reads = [v.read_value() for v in layer.variables]
                 with tf.control_dependencies(reads):
-                    tf.py_function(functools.partial(self.push, i), [],
+                    tf.py_function(functools.partial(self._push_op, i), [],
                                    tf.bool, name=f"geeps_push_{i}")
         return result
 
@@ -226,8 +226,21 @@ class ParameterSync:
         return "\n".join(lines)
 
     # ------------------------------------------------ eager pull / push
-    def pull(self, index, full=False):
-        """Brings table `index` into its variables if the shards have news."""
+    def pull(self, index, full=False, values=None):
+        """Brings table `index` into its variables if the shards have news.
+
+        Args:
+            index: the table's position in `tables`.
+            full: wait for every worker's last clock, ignoring the slack.
+                Defaults to False.
+            values: the table's current values, in layout order, when they
+                are not in its variables (the memory manager's host copies):
+                fresh rows are then returned, not assigned. Defaults to None.
+
+        Returns:
+            The pulled rows (a 1-D tensor sharing the pull buffer) when
+            fresh rows came in, else None.
+        """
         layer = self.tables[index]
         table = layer.table
         started = time.perf_counter()
@@ -235,15 +248,15 @@ class ParameterSync:
         # Not under self.lock: the push this pull may be waiting for can
         # come from another thread (the memory manager's write-back).
         self.client.wait_fresh(table, clock=clock)
-        waited = time.perf_counter() - started
-        self.pull_wait_seconds += waited
+        self.pull_wait_seconds += time.perf_counter() - started
+        current = layer.variables if values is None else values
         if tuple(table.ages) == layer.pulled_ages and \
                 layer.snapshot is not None:
             if layer.snapshot_stale:  # own updates stay; re-base the delta
-                layer.snapshot = ops.pack(layer.variables, layer.layout)
+                layer.snapshot = ops.pack(current, layer.layout)
                 layer.snapshot_stale = False
             self.pull_seconds += time.perf_counter() - started
-            return True
+            return None
         buffer = layer.next_buffer()
         with self.lock:
             self.client.read(table, out=buffer.reshape(table.rows,
@@ -251,23 +264,39 @@ class ParameterSync:
         layer.pulled_ages = tuple(table.last_read_ages)
         self.max_staleness = max(self.max_staleness,
                                  table.clock - table.last_read_age)
-        snapshot = _as_tensor(buffer)
-        ops.unpack(snapshot, layer.variables, layer.layout)
+        snapshot = as_tensor(buffer)
+        if values is None:
+            ops.unpack(snapshot, layer.variables, layer.layout)
         layer.snapshot = snapshot
         layer.snapshot_stale = False
         self.pull_seconds += time.perf_counter() - started
+        return snapshot
+
+    def _pull_op(self, index):
+        self.pull(index)
         return True
 
-    def push(self, index):
-        """Sends the step's update of table `index` and clocks it."""
+    def _push_op(self, index):
+        self.push(index)
+        return True
+
+    def push(self, index, values=None):
+        """Sends the step's update of table `index` and clocks it.
+
+        Args:
+            index: the table's position in `tables`.
+            values: the table's current values, in layout order, when they
+                are not in its variables (the memory manager's host
+                copies). Defaults to None: the variables.
+        """
         started = time.perf_counter()
         layer = self.tables[index]
         table = layer.table
-        delta = ops.pack(layer.variables, layer.layout,
-                         snapshot=layer.snapshot)
+        delta = ops.pack(layer.variables if values is None else values,
+                         layer.layout, snapshot=layer.snapshot)
         if self.scale != 1.0:
             delta = delta * tf.constant(self.scale, delta.dtype)
-        rows = _as_host_array(delta).reshape(table.rows, table.width)
+        rows = as_host_array(delta).reshape(table.rows, table.width)
         with self.lock:
             self.client.update(table, rows, copy=False)
             self.client.clock([table])
@@ -275,7 +304,6 @@ class ParameterSync:
         if index == 0:
             self.steps += 1
         self.push_seconds += time.perf_counter() - started
-        return True
 
     def pull_all(self, full=False):
         """Eagerly pulls every table (`full`: wait for every worker's last

@@ -62,18 +62,6 @@ def _tf_variable(variable):
     raise TypeError(f"{variable!r} is no TensorFlow-backed variable")
 
 
-def _host_tensor(array):
-    """A CPU tensor sharing a 64-byte-aligned numpy array's memory."""
-    return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
-
-
-def _host_array(tensor):
-    """A numpy view of a CPU tensor."""
-    if "CPU" in tensor.device.upper():
-        return np.from_dlpack(tensor)
-    return tensor.numpy()
-
-
 def _clone_optimizer(optimizer):
     config = optimizer.get_config()
     if config.get("global_clipnorm"):
@@ -678,65 +666,26 @@ class LayerwiseTrainer:
     def _pull_staged(self, unit):
         """Brings a staged layer's tables from the shards into the host
         store (no device memory is involved)."""
-        sync = self.sync
-        client = sync.client
+        hosts = self.store.get(unit.index)
         for t in unit.tables:
-            layer = sync.tables[t]
-            table = layer.table
+            layout = self.sync.tables[t].layout
             positions = unit.table_positions[t]
-            started = time.perf_counter()
-            with sync.lock:
-                client.wait_fresh(table)
-            sync.pull_wait_seconds += time.perf_counter() - started
-            hosts = self.store.get(unit.index)
-            if tuple(table.ages) == layer.pulled_ages and \
-                    layer.snapshot is not None:
-                if layer.snapshot_stale:  # own updates stay; re-base
-                    with tf.device("/cpu:0"):
-                        layer.snapshot = ops.pack(
-                            [hosts[p] for p in positions], layer.layout)
-                    layer.snapshot_stale = False
-                sync.pull_seconds += time.perf_counter() - started
-                continue
-            buffer = layer.next_buffer()
-            with sync.lock:
-                client.read(table, out=buffer.reshape(table.rows,
-                                                      table.width))
-            layer.pulled_ages = tuple(table.last_read_ages)
-            sync.max_staleness = max(sync.max_staleness,
-                                     table.clock - table.last_read_age)
-            snapshot = _host_tensor(buffer)
-            layer.snapshot = snapshot
-            layer.snapshot_stale = False
             with tf.device("/cpu:0"):
-                pieces = tf.split(snapshot, list(layer.layout.sizes))
-                for p, piece, shape in zip(positions, pieces,
-                                           layer.layout.shapes):
+                fresh = self.sync.pull(t, values=[hosts[p]
+                                                  for p in positions])
+                if fresh is None:
+                    continue  # nothing new: the host copies stay
+                pieces = tf.split(fresh, list(layout.sizes))
+                for p, piece, shape in zip(positions, pieces, layout.shapes):
                     hosts[p] = tf.reshape(piece, shape)
-            sync.pull_seconds += time.perf_counter() - started
 
     def _push_staged(self, unit, hosts):
         """Sends a staged layer's update (host values minus the pulled
         snapshot) and clocks its tables."""
-        sync = self.sync
         for t in unit.tables:
-            started = time.perf_counter()
-            layer = sync.tables[t]
-            table = layer.table
             values = [hosts[p] for p in unit.table_positions[t]]
             with tf.device("/cpu:0"):
-                delta = ops.pack(values, layer.layout,
-                                 snapshot=layer.snapshot)
-                if sync.scale != 1.0:
-                    delta = delta * tf.constant(sync.scale, delta.dtype)
-            rows = _host_array(delta).reshape(table.rows, table.width)
-            with sync.lock:
-                sync.client.update(table, rows, copy=False)
-                sync.client.clock([table])
-            layer.snapshot_stale = True
-            if t == 0:
-                sync.steps += 1
-            sync.push_seconds += time.perf_counter() - started
+                self.sync.push(t, values)
 
     # ------------------------------------------------------------ helpers
     def fit(self, dataset, epochs=1):
