@@ -51,6 +51,10 @@ def main():
     parser.add_argument("--steps-per-execution", type=int, default=8)
     parser.add_argument("--train-examples", type=int, default=0,
                         help="use only this many training images (0 = all)")
+    parser.add_argument("--verbose", type=int, default=1,
+                        help="Keras verbosity: 1 = progress bar (worker 0; "
+                             "other workers print one line per epoch), "
+                             "2 = one line per epoch")
     args = parser.parse_args()
 
     keras.utils.set_random_seed(1)
@@ -77,8 +81,10 @@ def main():
               f"worker 0 of {strategy.num_workers}; tables are created at "
               f"the first step")
 
+    if not strategy.is_chief:
+        args.verbose = min(2, max(args.verbose, 2))  # one bar is enough
     started = time.perf_counter()
-    history = model.fit(train, epochs=args.epochs, verbose=2,
+    history = model.fit(train, epochs=args.epochs, verbose=args.verbose,
                         callbacks=strategy.callbacks())
     seconds = time.perf_counter() - started
     steps = strategy.ps_stats()["steps"]

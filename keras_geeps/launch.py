@@ -7,6 +7,7 @@ variables, streams their output with a prefix, and tears everything down,
 also when one of them fails (which it names, exiting non-zero).
 """
 
+import codecs
 import ctypes
 import json
 import os
@@ -46,15 +47,45 @@ def _free_port():
 
 
 def _pump(stream, prefix, sink, lines=None):
-    """Copies a child's output lines to `sink` with a prefix (thread body)."""
-    for raw in iter(stream.readline, b""):
-        line = raw.decode(errors="replace").rstrip("\n")
+    """Copies a child's output to `sink` with `prefix` at each line start.
+
+    Complete lines go out as they come. Text without a newline yet is held
+    (so two children's lines do not interleave), except a line that redraws
+    itself with carriage returns (a progress bar), which is forwarded up to
+    its last carriage return so it stays live, the prefix written again
+    after each return. Complete lines also go to `lines` (a queue), if
+    given. Thread body.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    held = ""
+    while True:
+        chunk = os.read(stream.fileno(), 65536)
+        text = held + decoder.decode(chunk, final=not chunk)
+        *complete, held = text.split("\n")
+        if not chunk and held:
+            complete, held = complete + [held], ""
+        redraw = ""
+        if "\r" in held:  # forward the redrawn part of a progress bar
+            cut = held.rindex("\r")
+            redraw, held = held[:cut], held[cut:]
         if lines is not None:
-            lines.put(line)
-        if sink is not None:
-            sink.write(f"{prefix}{line}\n")
+            for line in complete:
+                lines.put(line)
+        if sink is not None and (complete or redraw):
+            out = [_prefixed(line, prefix) + "\n" for line in complete]
+            if redraw:
+                out.append(_prefixed(redraw, prefix))
+            sink.write("".join(out))
             sink.flush()
+        if not chunk:
+            break
     stream.close()
+
+
+def _prefixed(text, prefix):
+    """`text` with `prefix` at its start and after each carriage return."""
+    return "\r".join(prefix + part if part else part
+                     for part in text.split("\r"))
 
 
 class ShardProcess:
