@@ -93,9 +93,26 @@ def test_fit_features_validation_evaluate_predict_save(tmp_path):
 
 
 def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
-    text = _run(tmp_path, "--die-worker", "1", "--timeout", "5",
-                "--epochs", "3", expect=7)
-    assert "worker 1 (pid" in text and "exited with code 7" in text
+    # Started by hand (not by the launcher, which would stop worker 0 as
+    # soon as worker 1 dies): worker 0 must stop on its own, with an error.
+    import subprocess  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from keras_geeps.launch import LocalCluster, worker_env  # noqa: PLC0415
+    with LocalCluster(2, 2, processes=True, output=None) as cluster:
+        procs = [subprocess.Popen(
+            WORKER + ["--out", str(tmp_path), "--die-worker", "1",
+                      "--timeout", "15", "--epochs", "3"],
+            env=worker_env(cluster.spec(w)), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT) for w in range(2)]
+        assert procs[1].wait(120) == 7  # died on purpose
+        died = time.monotonic()
+        output, _ = procs[0].communicate(timeout=120)
+        assert procs[0].returncode != 0
+        assert time.monotonic() - died < 15 + 30  # the timeout, not a hang
+        text = output.decode(errors="replace")
+        assert "GeePSTimeoutError" in text
+        assert "workers [1] have not finished clock" in text
 
 
 def test_custom_loop_example_runs(tmp_path):
