@@ -8,8 +8,10 @@ hooks that let a parameter server see the variables and wrap every compiled
 train step without changing the user's model; TensorFlow has no public way
 to subclass a strategy's extended object. This module holds that reach and
 nothing else, and TensorFlow's minor version is pinned in setup.py because
-of it (tests/keras/test_tf_hooks.py checks these hooks still fire).
+of it (tests/keras/test_tf_hooks.py checks that these hooks still fire).
 """
+
+import inspect
 
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
@@ -48,10 +50,15 @@ def init_strategy(strategy, device, sync):
 
 
 def is_keras_train_step(fn):
-    """True when `fn` is a Keras model's bound `train_step` (what fit runs)."""
+    """True when `fn` is a Keras model's bound `train_step` (what fit runs).
+
+    `strategy.run` hands the step over wrapped by autograph, so the bound
+    method is found by unwrapping.
+    """
+    fn = inspect.unwrap(fn)
     owner = getattr(fn, "__self__", None)
     return (getattr(fn, "__name__", "") == "train_step"
-            and owner is not None and hasattr(owner, "optimizer"))
+            and hasattr(owner, "compile") and hasattr(owner, "fit"))
 
 
 def in_xla_context():

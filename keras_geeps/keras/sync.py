@@ -179,8 +179,10 @@ class ParameterSync:
             self._updated = outer
         if is_train_step and not updated:
             raise GeePSError(
-                "the train step updated no parameter table: create the model "
-                "AND its optimizer (model.compile) inside strategy.scope()")
+                "the train step updated no parameter table through the "
+                "optimizer, so nothing would reach the shards: create the "
+                "model inside strategy.scope() and update its variables "
+                "with its optimizer (optimizer.apply / apply_gradients)")
         for i in reversed(range(len(self.tables))):
             layer = self.tables[i]
             if any(id(v) in updated for v in layer.variables):
