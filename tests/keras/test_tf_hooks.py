@@ -56,8 +56,8 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         assert calls["updates"] == 4          # once per variable, at trace
         assert calls["steps"][0] is True      # fit's train_step detected
         assert False in calls["steps"]        # evaluate's test_step too
-        assert [t.name for t in sync.tables] == ["sequential/a",
-                                                 "sequential/b"]
+        assert [t.name for t in sync.tables] == [f"{model.name}/a",
+                                                 f"{model.name}/b"]
         assert sync.steps == 2                # 8 samples / batch 4
     finally:
         strategy.close()
