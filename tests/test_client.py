@@ -7,6 +7,7 @@ import pytest
 
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import GeePSTimeoutError
+from tests.worker_threads import run_worker_threads
 
 
 def test_partitioner_is_deterministic_and_balanced():
@@ -31,21 +32,11 @@ def test_cluster_spec_from_tf_config():
 
 
 def _run_workers(cluster, body, **client_kwargs):
-    errors, results = [], {}
-
     def run(w):
-        try:
-            with cluster.client(w, **client_kwargs) as client:
-                results[w] = body(client, w)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        with cluster.client(w, **client_kwargs) as client:
+            return body(client, w)
 
-    threads = [threading.Thread(target=run, args=(w,))
-               for w in range(cluster.num_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results, errors = run_worker_threads(cluster.num_workers, run)
     if errors:
         raise errors[0]
     return results

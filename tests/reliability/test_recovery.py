@@ -1,6 +1,5 @@
 """Shard checkpoints, SIGKILL + restore with replay, worker failure."""
 
-import threading
 import time
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 from keras_geeps import checkpoint
 from keras_geeps.errors import GeePSWorkerFailedError
 from keras_geeps.launch import LocalCluster
+from tests.worker_threads import run_worker_threads
 
 pytestmark = pytest.mark.slow
 
@@ -44,33 +44,22 @@ def test_checkpoint_write_is_atomic_and_round_trips(tmp_path, monkeypatch):
 
 def _counter_workers(cluster, clocks, on_clock=None, timeout=60):
     """4 workers each add 1 (and a worker-specific delta) every clock."""
-    results, errors = {}, []
-
     def run(w):
-        try:
-            with cluster.client(w, timeout=timeout,
-                                heartbeat_interval=0.2) as client:
-                counter = client.create_table("counter", 700, 128)
-                small = client.create_table("small", 2, 2, "float64")
-                for clk in range(clocks):
-                    client.read(counter)
-                    client.update(counter, np.ones((700, 128), np.float32))
-                    client.update(small, np.full((2, 2), w + 1.0))
-                    client.clock()
-                    if on_clock is not None and w == 0:
-                        on_clock(clk)
-                results[w] = (client.read(counter, clock=clocks),
-                              client.read(small, clock=clocks))
-        except BaseException as exc:  # reported by the test
-            errors.append(exc)
+        with cluster.client(w, timeout=timeout,
+                            heartbeat_interval=0.2) as client:
+            counter = client.create_table("counter", 700, 128)
+            small = client.create_table("small", 2, 2, "float64")
+            for clk in range(clocks):
+                client.read(counter)
+                client.update(counter, np.ones((700, 128), np.float32))
+                client.update(small, np.full((2, 2), w + 1.0))
+                client.clock()
+                if on_clock is not None and w == 0:
+                    on_clock(clk)
+            return (client.read(counter, clock=clocks),
+                    client.read(small, clock=clocks))
 
-    threads = [threading.Thread(target=run, args=(w,))
-               for w in range(cluster.num_workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    return results, errors
+    return run_worker_threads(cluster.num_workers, run, timeout=180)
 
 
 def test_sigkill_shard_restore_and_replay_lose_and_repeat_nothing(tmp_path):

@@ -1,0 +1,31 @@
+"""Runs one function per worker in threads, for in-process cluster tests."""
+
+import threading
+
+
+def run_worker_threads(num_workers, body, timeout=60):
+    """Calls `body(w)` for every worker w in its own thread and waits.
+
+    Args:
+        num_workers: how many workers (threads).
+        body: `body(w)` returning that worker's result.
+        timeout: seconds each thread is waited for. Defaults to 60.
+
+    Returns:
+        ({w: result}, [exceptions raised by any body]).
+    """
+    results, errors = {}, []
+
+    def run(w):
+        try:
+            results[w] = body(w)
+        except BaseException as exc:  # handed back to the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,))
+               for w in range(num_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return results, errors
