@@ -70,6 +70,7 @@ class MsgType(enum.IntEnum):
     STOP = 14        # ask the shard to shut down
     HEARTBEAT = 15   # worker -> shard: still alive (no reply)
     CHECKPOINT = 16  # ask the shard to write a checkpoint now (ACK after)
+    RELEASE = 17     # worker -> shard: done reading these shared buffers
 
 
 # Header keys and the Python types they must have. `meta` is a flat map of
@@ -86,22 +87,29 @@ _HEADER_FIELDS = {
 }
 
 _META_SCHEMA = {
+    # shm: the sender's `shm.Arena.describe()`; shm_ok: the shard can map
+    # the worker's buffers (see keras_geeps/shm.py).
     MsgType.HELLO: {"num_workers": int, "num_shards": int,
-                    "incarnation": int},
+                    "incarnation": int, "shm": list},
     MsgType.WELCOME: {"shard_id": int, "num_shards": int, "num_workers": int,
                       "max_message_bytes": int, "max_pending_clocks": int,
-                      "checkpoint_every": int},
+                      "checkpoint_every": int, "shm": list, "shm_ok": bool},
+    # shm: the worker maps this shard's buffers (rows may come as refs).
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
-                     "row_start": int, "row_end": int, "chunk_row": int},
+                     "row_start": int, "row_end": int, "chunk_row": int,
+                     "shm": bool},
     MsgType.DECLARE: {"name": str, "rows": int, "width": int, "dtype": str,
-                      "row_start": int, "row_end": int},
-    MsgType.READ: {},
+                      "row_start": int, "row_end": int, "shm": bool},
+    MsgType.READ: {"shm": bool},
+    # ref: [buffer id, fd, offset, nbytes] of the sender's shared buffer,
+    # carried instead of a raw frame between co-located peers.
     MsgType.ROWS: {"row_start": int, "row_end": int, "chunk_row": int,
-                   "ckpt": int},
-    MsgType.UPDATE: {"chunk_row": int, "indexed": bool},
+                   "ckpt": int, "ref": list},
+    MsgType.UPDATE: {"chunk_row": int, "indexed": bool, "ref": list},
     MsgType.CLOCK: {},
     MsgType.PUSH: {"row_start": int, "row_end": int, "chunk_row": int,
-                   "ckpt": int},  # ckpt: the table's durable checkpoint clock
+                   "ckpt": int,  # ckpt: the table's durable checkpoint clock
+                   "ref": list},
     MsgType.ACK: {"global_clock": int, "ckpt": int, "existing": bool},
     MsgType.ERROR: {"error": str, "code": str},
     MsgType.STATS: {},
@@ -109,6 +117,7 @@ _META_SCHEMA = {
     MsgType.STOP: {},
     MsgType.HEARTBEAT: {},
     MsgType.CHECKPOINT: {},
+    MsgType.RELEASE: {"arena": str, "buffers": list},  # buffer ids
 }
 
 # ERROR codes a client acts on (other errors carry no code).
@@ -118,9 +127,10 @@ ERROR_WORKER_DEAD = "worker_dead"        # a worker stopped; the job stops
 # How many raw frames each type may carry: (minimum, maximum).
 _FRAME_COUNTS = {
     MsgType.CREATE: (0, MAX_FRAMES),
-    MsgType.ROWS: (1, MAX_FRAMES),
-    MsgType.UPDATE: (1, MAX_FRAMES),
-    MsgType.PUSH: (1, MAX_FRAMES),
+    # Rows travel as one frame each, or as a shared-memory "ref" (0 frames).
+    MsgType.ROWS: (0, MAX_FRAMES),
+    MsgType.UPDATE: (0, MAX_FRAMES),
+    MsgType.PUSH: (0, MAX_FRAMES),
 }
 
 _INT_MIN = -(1 << 62)

@@ -13,6 +13,12 @@ when G passes them, into a fresh buffer: published rows are never changed
 in place, so every push and read reply is sent without a copy and reflects
 exactly the clocks before its age.
 
+Workers on the same host exchange rows with the shard through shared
+memory (`keras_geeps.shm`) instead of loopback TCP: a push then carries a
+reference to the shard's row buffer, which the worker releases (RELEASE)
+once it no longer reads it; the shard reuses a buffer only when every
+zero-copy send from it is done and no worker holds it.
+
 Run it as a process (`keras-geeps shard ...` / `python -m keras_geeps.shard`)
 or as a thread (`ShardServer(...).start()`, for tests and notebooks).
 """
@@ -28,7 +34,7 @@ import time
 import numpy as np
 import zmq
 
-from keras_geeps import checkpoint, protocol
+from keras_geeps import checkpoint, protocol, shm
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 
 log = logging.getLogger("keras_geeps.shard")
@@ -59,6 +65,12 @@ class ShardSettings:
         on_worker_failure: "stop" (every worker gets an error naming the
             dead one) or "continue" (the clocks stop waiting for it; a
             restarted worker rejoins). Defaults to "stop".
+        shared_memory: exchange rows with workers on this host through
+            shared memory (see `keras_geeps.shm`). Defaults to True unless
+            `KERAS_GEEPS_SHM=0`.
+        max_held_buffers: most row buffers of one table a worker may hold
+            through shared memory; past it the worker gets copies by TCP.
+            Defaults to 4.
     """
 
     def __init__(self, max_message_bytes=1 << 30, max_tables=4096,
@@ -67,7 +79,8 @@ class ShardSettings:
                  chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
                  poll_timeout_ms=100, checkpoint_dir=None,
                  checkpoint_every=0, worker_timeout=0.0,
-                 on_worker_failure="stop"):
+                 on_worker_failure="stop", shared_memory=None,
+                 max_held_buffers=4):
         if on_worker_failure not in ("stop", "continue"):
             raise ValueError(f"on_worker_failure must be 'stop' or "
                              f"'continue', not {on_worker_failure!r}")
@@ -84,6 +97,10 @@ class ShardSettings:
         self.max_parked_reads = max_parked_reads
         self.chunk_bytes = chunk_bytes
         self.poll_timeout_ms = poll_timeout_ms
+        self.shared_memory = (shm.enabled_by_env() and shm.supported()
+                              if shared_memory is None
+                              else bool(shared_memory))
+        self.max_held_buffers = max_held_buffers
 
 
 class RequestError(Exception):
@@ -106,7 +123,7 @@ class _Table:
         self.dtype = protocol.numpy_dtype(spec["dtype"])
         self.local_rows = spec["row_end"] - spec["row_start"]
         self.width = spec["width"]
-        self.pool = _BufferPool((self.local_rows, self.width), self.dtype)
+        self.pool = None  # a _BufferPool, given by the server
         self.data = np.zeros((self.local_rows, self.width), self.dtype)
         self.initialised = np.zeros(self.local_rows, bool)
         self.ready = self.local_rows == 0
@@ -185,26 +202,61 @@ class _Pending:
 
 
 class _BufferPool:
-    """Reuses row buffers once ZeroMQ has finished sending from them.
+    """Reuses row buffers once nothing reads them any more.
 
     Fresh 100 MB allocations cost page faults on every clock; a buffer
-    handed to zero-copy sends is reusable once their trackers are done.
+    handed to zero-copy sends is reusable once their trackers are done and
+    no worker holds it through shared memory.
+
+    Args:
+        shape, dtype: of every buffer.
+        arena: a `shm.Arena` to allocate shareable buffers from, or None.
+        busy: `busy(buffer_id)` is True while a worker holds that shared
+            buffer.
+        keep: how many free buffers to keep. Defaults to 3.
     """
 
-    def __init__(self, shape, dtype, keep=3):
+    def __init__(self, shape, dtype, arena=None, busy=None, keep=3):
         self.shape, self.dtype, self.keep = shape, dtype, keep
+        self.arena = arena
+        self.busy = busy or (lambda buffer_id: False)
+        self.shared = {}  # id(array) -> its shm.SharedBuffer
         self.free = []  # (buffer, [trackers])
+
+    def _reusable(self, buffer, trackers):
+        shared = self.shared.get(id(buffer))
+        return all(t.done for t in trackers) and (
+            shared is None or not self.busy(shared.id))
 
     def get(self):
         for i, (buffer, trackers) in enumerate(self.free):
-            if all(t.done for t in trackers):
+            if self._reusable(buffer, trackers):
                 del self.free[i]
                 return buffer
-        return np.empty(self.shape, self.dtype)
+        nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
+        if self.arena is None or nbytes == 0:
+            return np.empty(self.shape, self.dtype)
+        shared = self.arena.allocate(nbytes)
+        array = shared.array.view(self.dtype).reshape(self.shape)
+        self.shared[id(array)] = shared
+        return array
 
     def put(self, buffer, trackers=()):
-        if len(self.free) < self.keep:
-            self.free.append((buffer, list(trackers)))
+        if self.arena is not None and id(buffer) not in self.shared:
+            return  # e.g. the first rows: keep only shareable buffers
+        self.free.append((buffer, list(trackers)))
+        # Past `keep`, drop buffers nobody reads. One a worker holds (or
+        # has yet to map) stays open until released: closing it could let
+        # its descriptor number name another buffer.
+        i = 0
+        while len(self.free) > self.keep and i < len(self.free):
+            if not self._reusable(*self.free[i]):
+                i += 1
+                continue
+            dropped, _ = self.free.pop(i)
+            shared = self.shared.pop(id(dropped), None)
+            if shared is not None:
+                shared.close()
 
 
 class _SeqTracker:
@@ -290,9 +342,15 @@ class ShardServer:
         self._writer_acks = 0     # how many of them the writer covers
         self._stop = threading.Event()
         self._thread = None
+        # Shared memory with co-located workers (keras_geeps.shm).
+        self._arena = shm.Arena() if self.settings.shared_memory else None
+        self._shm_writers = {}    # worker id -> shm.PeerBuffers (updates)
+        self._shm_readers = set()  # workers that map our row buffers
+        self._holds = {}          # buffer id -> {worker: refs not released}
         self.stats = {"bytes_in": 0, "bytes_out": 0, "messages_in": 0,
                       "updates_applied": 0, "duplicates": 0, "errors": 0,
-                      "pushes": 0, "checkpoints": 0, "restored_clock": -1}
+                      "pushes": 0, "checkpoints": 0, "restored_clock": -1,
+                      "shm_bytes_in": 0, "shm_bytes_out": 0}
         if restore:
             self._restore()
 
@@ -340,6 +398,8 @@ class ShardServer:
             if self._writer is not None:
                 self._writer.join()
             self._socket.close(linger=0)
+            if self._arena is not None:
+                self._arena.close()
             if self._auth is not None:
                 self._auth.stop()
             self._context.term()
@@ -422,6 +482,10 @@ class ShardServer:
         self._last_seen[worker] = time.monotonic()
         if kind == MsgType.HEARTBEAT:
             return
+        if kind == MsgType.RELEASE:
+            self._release(worker, message)
+            self._seqs[worker].mark(message.seq)  # no gaps in the tracker
+            return
         handler = {
             MsgType.CREATE: self._create,
             MsgType.DECLARE: self._declare,
@@ -442,7 +506,10 @@ class ShardServer:
             handler(identity, message)
             tracker.mark(message.seq)
         else:
-            handler(identity, message)
+            try:
+                handler(identity, message)
+            finally:  # reads and declares are not resent: no gaps kept
+                tracker.mark(message.seq)
 
     # ---------------------------------------------------------- requests
     def _hello(self, identity, message):
@@ -460,16 +527,82 @@ class ShardServer:
             # numbered from its HELLO on.
             self._seqs[worker] = _SeqTracker(message.seq)
             self._incarnations[worker] = incarnation
+            self._forget_shm(worker)
             if worker in self._dead:
                 self._rejoin(worker)
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
-        self._send(identity, Message(MsgType.WELCOME, seq=message.seq, meta={
+        welcome = {
             "shard_id": self.shard_id, "num_shards": self.num_shards,
             "num_workers": self.num_workers,
             "max_message_bytes": self.settings.max_message_bytes,
             "max_pending_clocks": self.settings.max_pending_clocks,
-            "checkpoint_every": self.settings.checkpoint_every}))
+            "checkpoint_every": self.settings.checkpoint_every}
+        if self._arena is not None and "shm" in meta:
+            peer = shm.PeerBuffers.connect(meta["shm"], writable=False)
+            if peer is not None:  # co-located: it can map ours too
+                self._shm_writers[worker] = peer
+                welcome.update(shm=self._arena.describe(), shm_ok=True)
+        self._send(identity, Message(MsgType.WELCOME, seq=message.seq,
+                                     meta=welcome))
+
+    # ------------------------------------------------------ shared memory
+    def _new_table(self, table_id, spec):
+        table = _Table(table_id, spec, self.num_workers)
+        table.pool = _BufferPool((table.local_rows, table.width),
+                                 table.dtype, self._arena, self._held)
+        return table
+
+    def _held(self, buffer_id):
+        return bool(self._holds.get(buffer_id))
+
+    def _shared_buffer(self, table, array):
+        return table.pool.shared.get(id(array)) if table.pool else None
+
+    def _forget_shm(self, worker):
+        """A new or dead worker process holds none of our buffers."""
+        self._shm_writers.pop(worker, None)
+        self._shm_readers.discard(worker)
+        for holders in self._holds.values():
+            holders.pop(worker, None)
+
+    def _release(self, worker, message):
+        if self._arena is None or \
+                message.meta.get("arena") != self._arena.token.hex():
+            return  # meant for an earlier incarnation of this shard
+        buffers = message.meta.get("buffers", [])
+        for buffer_id in buffers:
+            holders = self._holds.get(buffer_id) \
+                if isinstance(buffer_id, int) else None
+            if holders and holders.get(worker, 0) > 0:
+                holders[worker] -= 1
+                if not holders[worker]:
+                    del holders[worker]
+                if not holders:
+                    del self._holds[buffer_id]
+
+    def _holds_of(self, worker, table):
+        return sum(self._holds.get(shared.id, {}).get(worker, 0)
+                   for shared in table.pool.shared.values())
+
+    def _ref_rows(self, table, worker, ref):
+        """The update rows a co-located worker left in shared memory."""
+        peer = self._shm_writers.get(worker)
+        if peer is None:
+            raise RequestError(f"worker {worker} sent a shared-memory "
+                               f"reference, but shares no memory with this "
+                               f"shard")
+        try:
+            raw = peer.view(ref)
+        except ValueError as exc:
+            raise RequestError(f"worker {worker}: {exc}") from None
+        row_bytes = table.width * table.dtype.itemsize
+        if raw.nbytes % row_bytes or raw.ctypes.data % table.dtype.itemsize:
+            raise RequestError(f"worker {worker}: a reference of "
+                               f"{raw.nbytes} bytes is not whole rows of "
+                               f"table {table.id}")
+        self.stats["shm_bytes_in"] += raw.nbytes
+        return raw.view(table.dtype).reshape(-1, table.width)
 
     def _table_for(self, message):
         spec = {k: message.meta.get(k) for k in
@@ -504,7 +637,7 @@ class ShardServer:
                                f"exceeds the shard's memory limit "
                                f"(max_table_bytes="
                                f"{self.settings.max_table_bytes})")
-        table = _Table(message.table, spec, self.num_workers)
+        table = self._new_table(message.table, spec)
         self._tables[message.table] = table
         return table
 
@@ -512,9 +645,14 @@ class ShardServer:
         return sum(t.nbytes * (2 + len(t.pending))
                    for t in self._tables.values())
 
+    def _note_reader(self, message):
+        if message.meta.get("shm") and message.worker in self._shm_writers:
+            self._shm_readers.add(message.worker)
+
     def _create(self, identity, message):
         table = self._table_for(message)
         table.subscribers.add(message.worker)
+        self._note_reader(message)
         if table.ready and table.initialised is None:
             # Restored from a checkpoint (or created before): the shard's
             # rows win over a restarted creator's fresh initial values.
@@ -546,6 +684,7 @@ class ShardServer:
     def _declare(self, identity, message):
         table = self._table_for(message)
         table.subscribers.add(message.worker)
+        self._note_reader(message)
         self._send(identity, self._table_ack(table, message.seq))
         if table.ready:
             self._push(table, message.worker)
@@ -558,6 +697,7 @@ class ShardServer:
         return Message(MsgType.ACK, table=table.id, seq=seq, meta=meta)
 
     def _read(self, identity, message):
+        self._note_reader(message)
         table = self._tables.get(message.table)
         if table is None or not table.ready or table.global_clock < message.clk:
             if len(self._parked) >= self.settings.max_parked_reads:
@@ -622,6 +762,14 @@ class ShardServer:
                 raise RequestError(f"table {table.id}: row index {bad} is "
                                    f"outside [0, {table.local_rows})")
         else:
+            if "ref" in message.meta:
+                if arrays:
+                    raise RequestError("an UPDATE carries frames or a "
+                                       "shared-memory ref, not both")
+                arrays = [self._ref_rows(table, worker,
+                                         message.meta["ref"])]
+            elif not arrays:
+                raise RequestError("an UPDATE without rows")
             row = message.meta.get("chunk_row", 0)
             for array in arrays:
                 self._check_rows(table, array, row)
@@ -703,13 +851,44 @@ class ShardServer:
                                    self.settings.chunk_bytes)
 
     def _send_rows(self, table, identities, kind, seq, data):
-        """Sends `data` (never changed later) in row chunks, zero-copy."""
+        """Sends `data` (never changed later) in row chunks, zero-copy.
+
+        Co-located workers get one reference to the buffer instead, and
+        hold it until they RELEASE it.
+        """
+        shared = self._shared_buffer(table, data)
+        if shared is not None:
+            workers = {ident: w for w, ident in self._identities.items()}
+            by_tcp = []
+            for identity in identities:
+                worker = workers.get(identity)
+                if worker in self._shm_readers and self._holds_of(
+                        worker, table) < self.settings.max_held_buffers:
+                    self._send_ref(table, identity, worker, kind, seq,
+                                   shared, data)
+                else:
+                    by_tcp.append(identity)
+            identities = by_tcp
         trackers = []
+        if not identities:
+            return trackers
         for start, end in self._chunks(table):
             trackers += self._send_chunk(table, identities, kind, seq, data,
                                          start, end)
         self._trackers.setdefault(id(data), []).extend(trackers)
         return trackers
+
+    def _send_ref(self, table, identity, worker, kind, seq, shared, data):
+        meta = {"row_start": table.spec["row_start"],
+                "row_end": table.spec["row_end"], "chunk_row": 0,
+                "ckpt": table.ckpt_clock,
+                "ref": shared.ref(0, data.nbytes)}
+        holders = self._holds.setdefault(shared.id, {})
+        holders[worker] = holders.get(worker, 0) + 1
+        self.stats["shm_bytes_out"] += data.nbytes
+        self._send(identity, Message(kind, table=table.id,
+                                     clk=table.global_clock, seq=seq,
+                                     meta=meta))
 
     def _send_chunk(self, table, identities, kind, seq, data, start, end):
         meta = {"row_start": table.spec["row_start"],
@@ -795,7 +974,7 @@ class ShardServer:
         tables = checkpoint.load(self.settings.checkpoint_dir, self.shard_id,
                                  self.num_shards, self.num_workers)
         for table_id, (spec, clock, rows) in tables.items():
-            table = _Table(table_id, spec, self.num_workers)
+            table = self._new_table(table_id, spec)
             table.data = rows
             table.initialised = None
             table.ready = True
@@ -826,6 +1005,7 @@ class ShardServer:
         log.warning("shard %d: %s; continuing without it", self.shard_id,
                     error)
         self._dead.add(worker)
+        self._forget_shm(worker)
         for table in self._tables.values():
             table.vclock[worker] = DEAD_CLOCK
             table.subscribers.discard(worker)
@@ -889,6 +1069,10 @@ def build_parser(parser=None):
                         help="this shard's .key_secret file: require CURVE")
     parser.add_argument("--curve-allowed-clients", default=None,
                         help="folder of allowed clients' public .key files")
+    parser.add_argument("--no-shared-memory", action="store_true",
+                        help="never exchange rows with co-located workers "
+                             "through shared memory (also: "
+                             "KERAS_GEEPS_SHM=0)")
     parser.add_argument("--log-level", default="WARNING")
     return parser
 
@@ -905,7 +1089,9 @@ def run_from_args(args):
                              checkpoint_dir=args.checkpoint_dir,
                              checkpoint_every=args.checkpoint_every,
                              worker_timeout=args.worker_timeout,
-                             on_worker_failure=args.on_worker_failure)
+                             on_worker_failure=args.on_worker_failure,
+                             shared_memory=False if args.no_shared_memory
+                             else None)
     curve = None
     if args.curve_secret_key or args.curve_allowed_clients:
         if not (args.curve_secret_key and args.curve_allowed_clients):

@@ -12,6 +12,8 @@ every worker's updates of all clocks up to c - s - 1. Slack 0 is BSP; a
 large slack approximates asynchronous training.
 """
 
+import collections
+import functools
 import itertools
 import json
 import logging
@@ -21,7 +23,7 @@ import time
 
 import numpy as np
 
-from keras_geeps import protocol
+from keras_geeps import protocol, shm
 from keras_geeps.client.access import (AccessHandle, AccessPlan,
                                        VirtualIteration)
 from keras_geeps.client.connection import Future, IOThread
@@ -105,6 +107,7 @@ class Table:
         self.last_read_ages = []    # ... of each part it touched
         self.incoming = [[-1, 0, []] for _ in parts]  # age, rows, chunks
         self.clock = 0
+        self.uploads = [[] for _ in parts]  # [[shm buffer, clock]] per part
         self.update_buffer = None   # this clock's summed updates
         self.update_owned = False   # True: we allocated update_buffer
         self.read_my_writes = read_my_writes
@@ -165,7 +168,7 @@ class GeePSClient:
     def __init__(self, cluster=None, slack=0, timeout=120.0,
                  read_my_writes=False, initializer=0,
                  chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
-                 heartbeat_interval=1.0, curve=None):
+                 heartbeat_interval=1.0, curve=None, shared_memory=None):
         self.cluster = cluster or ClusterSpec.from_env()
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack}")
@@ -188,10 +191,19 @@ class GeePSClient:
         self._recovering = {}  # shard -> DECLAREs still to be answered
         self._boundaries = {}  # (shard, table id) -> first clock not replayed
         self._curve = curve
+        if shared_memory is None:
+            shared_memory = shm.enabled_by_env() and shm.supported()
+        self._arena = shm.Arena() if shared_memory else None
+        self._shm_peers = {}   # shard -> (shm.PeerBuffers, its arena token)
+        self._shm_upload = set()  # shards that map our update buffers
+        self._releases = collections.deque()  # (shard, token, buffer id)
+        self.shm_bytes_in = 0
+        self.shm_bytes_out = 0
         self._io = IOThread(self.cluster.shards, self._on_rows,
                             on_error=self._on_error_code,
                             worker_id=self.worker_id, curve=curve,
-                            name=f"geeps-io-w{self.worker_id}")
+                            name=f"geeps-io-w{self.worker_id}",
+                            on_turn=self._flush_releases)
         self._incarnation = int.from_bytes(os.urandom(6), "little")
         try:
             welcomes = self._request_all([
@@ -200,6 +212,8 @@ class GeePSClient:
         except BaseException:
             self._io.close()
             raise
+        for shard, welcome in enumerate(welcomes):
+            self._on_welcome(shard, welcome)
         # Keep sent updates for replay only when shards write checkpoints.
         self._keep_log = any(w.meta.get("checkpoint_every", 0) > 0
                              for w in welcomes)
@@ -225,10 +239,74 @@ class GeePSClient:
         self._io.send(shard, message, future)
 
     def _hello_message(self):
-        return Message(MsgType.HELLO, meta={
-            "num_workers": self.num_workers,
-            "num_shards": self.cluster.num_shards,
-            "incarnation": self._incarnation})
+        meta = {"num_workers": self.num_workers,
+                "num_shards": self.cluster.num_shards,
+                "incarnation": self._incarnation}
+        if self._arena is not None:
+            meta["shm"] = self._arena.describe()
+        return Message(MsgType.HELLO, meta=meta)
+
+    # ---------------------------------------------------- shared memory
+    def _on_welcome(self, shard, welcome):
+        """Uses shared memory with `shard` if both sides can map the other's."""
+        self._shm_peers.pop(shard, None)
+        self._shm_upload.discard(shard)
+        meta = welcome.meta
+        if self._arena is None or not meta.get("shm_ok"):
+            return
+        peer = shm.PeerBuffers.connect(meta.get("shm"), writable=True)
+        if peer is not None:
+            self._shm_peers[shard] = (peer, peer.token.hex())
+            self._shm_upload.add(shard)
+
+    def _shm_meta(self, shard, meta):
+        if shard in self._shm_peers:
+            meta["shm"] = True
+        return meta
+
+    def _shared_rows(self, shard, message, table):
+        """The rows a co-located shard's PUSH/ROWS reference (held until
+        no view of them is left, then released)."""
+        peer, token = self._shm_peers.get(shard, (None, None))
+        if peer is None:
+            raise ValueError("it shares no memory with this worker")
+        ref = message.meta["ref"]
+        raw = peer.view(ref)
+        row_bytes = table.width * table.dtype.itemsize
+        if raw.nbytes % row_bytes:
+            raise ValueError(f"a reference of {raw.nbytes} bytes is not "
+                             f"whole rows")
+        self.shm_bytes_in += raw.nbytes
+        held = peer.hold(raw, functools.partial(
+            self._releases.append, (shard, token, ref[0])))
+        return held.view(table.dtype).reshape(-1, table.width)
+
+    def _flush_releases(self):
+        """Tells shards which of their buffers this worker let go of."""
+        if not self._releases:
+            return
+        batches = {}
+        while self._releases:
+            shard, token, buffer_id = self._releases.popleft()
+            batches.setdefault((shard, token), []).append(buffer_id)
+        for (shard, token), buffers in batches.items():
+            self._send(shard, Message(MsgType.RELEASE, meta={
+                "arena": token, "buffers": buffers}))
+
+    def _upload_buffer(self, table, part, clock, nbytes):
+        """A shared buffer for this clock's update of one part: one whose
+        last update the shard has applied (a push of a later age came), or a
+        new one; None past a bound (then the update goes by TCP)."""
+        uploads = table.uploads[part]
+        for entry in uploads:
+            if entry[1] < table.ages[part] and entry[0].nbytes >= nbytes:
+                entry[1] = clock
+                return entry[0]
+        if len(uploads) >= min(self.slack, 2) + 3:
+            return None
+        buffer = self._arena.allocate(nbytes)
+        uploads.append([buffer, clock])
+        return buffer
 
     def _request_all(self, requests, what):
         """Sends [(shard, message)] and waits for every reply (bounded)."""
@@ -295,7 +373,8 @@ class GeePSClient:
                     "dtype": dtype.name, "row_start": start, "row_end": end}
             if not creator:
                 requests.append((shard, Message(MsgType.DECLARE, table.id,
-                                                meta=meta)))
+                                                meta=self._shm_meta(shard,
+                                                                    meta))))
         if creator:
             if init is not None:
                 values = np.asarray(init).astype(dtype, copy=False)
@@ -316,8 +395,9 @@ class GeePSClient:
                     rows_ = table.part_rows[part].chunks[0][1]
                     arrays = ([rows_[c0:c1]]
                               if c1 > c0 else [])
-                    requests.append((shard, Message(MsgType.CREATE, table.id,
-                                                    arrays=arrays, meta=meta)))
+                    requests.append((shard, Message(
+                        MsgType.CREATE, table.id, arrays=arrays,
+                        meta=self._shm_meta(shard, meta))))
         table.all_rows = AccessHandle(-1, "read", table)
         # Registered before the requests: a push may follow the ACK at once.
         self._tables.append(table)
@@ -379,7 +459,21 @@ class GeePSClient:
             return
         table = self._tables[message.table]
         part = table.part_of.get((shard, message.meta.get("row_start")))
-        rows = message.arrays[0]
+        if "ref" in message.meta and not message.arrays:
+            try:
+                rows = self._shared_rows(shard, message, table)
+            except ValueError as exc:
+                self._io.errors.append(GeePSError(
+                    f"shard {shard} pushed shared rows of table "
+                    f"{table.name!r} this worker cannot read: {exc}"))
+                return
+        elif len(message.arrays) == 1:
+            rows = message.arrays[0]
+        else:
+            self._io.errors.append(GeePSError(
+                f"shard {shard} pushed {len(message.arrays)} frames for "
+                f"table {table.name!r}; a push carries one"))
+            return
         if part is None or rows.dtype != table.dtype or (
                 rows.ndim != 2 or rows.shape[1] != table.width):
             self._io.errors.append(GeePSError(
@@ -480,6 +574,7 @@ class GeePSClient:
             if error is not None:
                 self._fail(error)
                 return
+            self._on_welcome(shard, message)
             if not parts:
                 self._finish_recovery(shard)
             for table, part in parts:
@@ -490,11 +585,12 @@ class GeePSClient:
     def _redeclare(self, shard, table, part):
         _, start, end = table.parts[part]
         declare = Message(MsgType.DECLARE, table.id, worker=self.worker_id,
-                          seq=self._next_seq(shard), meta={
+                          seq=self._next_seq(shard),
+                          meta=self._shm_meta(shard, {
                               "name": table.name, "rows": table.rows,
                               "width": table.width,
                               "dtype": table.dtype.name, "row_start": start,
-                              "row_end": end})
+                              "row_end": end}))
 
         def declared(message, error):
             if error is not None:
@@ -626,6 +722,38 @@ class GeePSClient:
         table.last_read_age = int(min(ages)) if ages else table.data_age
         return out
 
+    def read_shared(self, what, clock=None):
+        """The rows of a whole table without a copy, when they can be had so.
+
+        A co-located shard's push arrives as one shared-memory buffer; this
+        returns it itself (64-byte aligned, so TensorFlow can alias it).
+        Do not modify it. It stays valid while referenced.
+
+        Args:
+            what: a `Table` or its name.
+            clock: the clock read at; defaults to the table's current clock.
+
+        Returns:
+            A (rows, width) array, or None when the rows are not one aligned
+            buffer (use `read`).
+        """
+        handle = self.handle_for(what)
+        table = handle.table
+        if handle.rows is not None or len(table.parts) != 1:
+            return None
+        self.wait_fresh(handle, clock)
+        with table.lock:
+            chunks = table.part_rows[0].chunks
+            if len(chunks) != 1:
+                return None
+            array = chunks[0][1]
+            if array.shape[0] != table.rows or array.ctypes.data % 64:
+                return None
+            age = int(table.ages[0])
+        table.last_read_ages = [age]
+        table.last_read_age = age
+        return array
+
     def update(self, what, delta, copy=True):
         """Adds `delta` to this clock's update of a table (or an access).
 
@@ -711,14 +839,30 @@ class GeePSClient:
             table.update_buffer = None
             if table.read_my_writes:
                 table.own[table.clock] = buffer
-        for shard, start, end in table.parts:
+        for part, (shard, start, end) in enumerate(table.parts):
+            shared = None
+            if shard in self._shm_upload and end > start:
+                shared = self._upload_buffer(
+                    table, part, table.clock,
+                    (end - start) * table.width * table.dtype.itemsize)
+            if shared is not None:
+                rows = buffer[start:end]
+                np.copyto(shared.array[:rows.nbytes].view(table.dtype)
+                          .reshape(rows.shape), rows)
+                self.shm_bytes_out += rows.nbytes
+                self._send(shard, Message(
+                    MsgType.UPDATE, table.id, clk=table.clock,
+                    meta={"chunk_row": 0,
+                          "ref": shared.ref(0, rows.nbytes)}))
+                continue
             for message in self._update_messages(table, table.clock, buffer,
                                                  start, end):
                 self._send(shard, message)
         return buffer
 
     def _update_messages(self, table, clock, buffer, start, end):
-        """UPDATE messages carrying buffer's rows [start, end) in chunks."""
+        """UPDATE messages carrying buffer's rows [start, end) in chunks
+        (TCP frames: a replay after a shard restart always uses these)."""
         for c0, c1 in protocol.row_chunks(end - start, table.width,
                                           table.dtype.itemsize,
                                           self.chunk_bytes):
@@ -737,8 +881,10 @@ class GeePSClient:
 
     def stats(self):
         """Returns this worker's figures: bytes moved, waits, data ages."""
-        return {"bytes_sent": self._io.bytes_out,
-                "bytes_received": self._io.bytes_in,
+        return {"bytes_sent": self._io.bytes_out + self.shm_bytes_out,
+                "bytes_received": self._io.bytes_in + self.shm_bytes_in,
+                "shm_bytes_sent": self.shm_bytes_out,
+                "shm_bytes_received": self.shm_bytes_in,
                 "wait_seconds": self.wait_seconds,
                 "data_age": min((t.data_age for t in self._tables),
                                 default=0),
@@ -781,6 +927,8 @@ class GeePSClient:
     def close(self):
         """Closes the connections; the client is unusable afterwards."""
         self._io.close()
+        if self._arena is not None:
+            self._arena.close()
 
     def __enter__(self):
         return self

@@ -63,8 +63,10 @@ class IOThread:
     """
 
     def __init__(self, addresses, on_rows, on_error=None, worker_id=-1,
-                 heartbeat_interval=0.0, curve=None, name="geeps-io"):
+                 heartbeat_interval=0.0, curve=None, name="geeps-io",
+                 on_turn=None):
         self._addresses = list(addresses)
+        self._on_turn = on_turn
         self._on_rows = on_rows
         self._on_error = on_error
         self._worker_id = worker_id
@@ -167,6 +169,8 @@ class IOThread:
                             self._doorbell_in.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                if self._on_turn is not None:
+                    self._on_turn()
                 self._flush_outbox()
                 for sock, shard in index.items():
                     if sock in events:

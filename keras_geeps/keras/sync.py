@@ -259,10 +259,15 @@ class ParameterSync:
                 layer.snapshot_stale = False
             self.pull_seconds += time.perf_counter() - started
             return None
-        buffer = layer.next_buffer()
         with self.lock:
-            self.client.read(table, out=buffer.reshape(table.rows,
-                                                       table.width))
+            # A co-located shard's rows are used where they lie; others are
+            # copied out of the received chunks.
+            buffer = self.client.read_shared(table)
+            if buffer is None:
+                buffer = layer.next_buffer()
+                self.client.read(table, out=buffer.reshape(table.rows,
+                                                           table.width))
+        buffer = buffer.reshape(-1)
         layer.pulled_ages = tuple(table.last_read_ages)
         self.max_staleness = max(self.max_staleness,
                                  table.clock - table.last_read_age)

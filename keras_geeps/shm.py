@@ -1,0 +1,242 @@
+"""Shared memory between a worker and a shard on the same host.
+
+GeePS notes that traffic to a co-located shard can skip the network. Here a
+worker and a shard on one host hand each other row buffers through shared
+memory instead of copying them through loopback TCP: a shard's fresh rows
+are read where the shard wrote them, a worker's update where the worker put
+it. Only a small message crosses the socket.
+
+Buffers are anonymous memory files (`os.memfd_create`), opened by the peer
+through `/proc/<pid>/fd/<fd>`. Nothing is named in `/dev/shm`, so a killed
+process leaks nothing: the kernel frees a buffer when its last descriptor
+and mapping are gone. Only a process that may open the owner's `/proc`
+entries (the same user, the same pid namespace) can map them; a handshake
+proves it before any buffer is used: the owner shares a probe buffer
+holding a random token and the peer reads it back. Peers that fail it (other
+hosts, other containers) simply keep using TCP frames.
+
+Set `KERAS_GEEPS_SHM=0` to turn shared memory off everywhere.
+
+Example:
+
+>>> arena = Arena()
+>>> buffer = arena.allocate(1024)
+>>> peer = PeerBuffers.connect(arena.describe())
+>>> buffer.array[:4] = [1, 2, 3, 4]
+>>> bytes(peer.view(buffer.ref(0, 4)))
+b'\\x01\\x02\\x03\\x04'
+>>> arena.close()
+"""
+
+import itertools
+import logging
+import mmap
+import os
+import stat
+import threading
+import weakref
+from collections import OrderedDict
+
+import numpy as np
+
+log = logging.getLogger("keras_geeps.shm")
+
+TOKEN_BYTES = 16
+ENV_SWITCH = "KERAS_GEEPS_SHM"
+
+
+def enabled_by_env():
+    """False when `KERAS_GEEPS_SHM=0` turns shared memory off."""
+    return os.environ.get(ENV_SWITCH, "1").strip() not in ("0", "false", "no")
+
+
+def _boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def supported():
+    """Whether this platform has memfd files and a /proc to open them by."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
+
+
+class SharedBuffer:
+    """One memfd-backed buffer of this process, shareable with peers.
+
+    Attributes:
+        id: its number within the arena (never reused).
+        fd: the descriptor peers open through /proc.
+        array: a writable uint8 numpy view of all of it.
+    """
+
+    __slots__ = ("id", "fd", "array", "_mmap", "__weakref__")
+
+    def __init__(self, buffer_id, nbytes):
+        self.id = buffer_id
+        self.fd = os.memfd_create(f"keras_geeps-{buffer_id}",
+                                  os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, max(nbytes, 1))
+            self._mmap = mmap.mmap(self.fd, max(nbytes, 1))
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.array = np.frombuffer(self._mmap, np.uint8, count=nbytes)
+
+    @property
+    def nbytes(self):
+        return self.array.nbytes
+
+    def ref(self, offset, nbytes):
+        """The wire reference to `nbytes` of this buffer from `offset`."""
+        return [self.id, self.fd, int(offset), int(nbytes)]
+
+    def close(self):
+        """Closes the descriptor; the memory goes once no view is left."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Arena:
+    """The buffers this process shares with co-located peers."""
+
+    def __init__(self):
+        self.token = os.urandom(TOKEN_BYTES)
+        self._ids = itertools.count(1)
+        self._probe = SharedBuffer(0, TOKEN_BYTES)
+        self._probe.array[:] = np.frombuffer(self.token, np.uint8)
+        self._buffers = weakref.WeakSet()
+
+    def describe(self):
+        """What a peer needs to verify and map our buffers (a flat list)."""
+        return [os.getpid(), _boot_id(), self._probe.fd, self.token.hex()]
+
+    def allocate(self, nbytes):
+        """A new `SharedBuffer` of `nbytes`."""
+        buffer = SharedBuffer(next(self._ids), nbytes)
+        self._buffers.add(buffer)
+        return buffer
+
+    def close(self):
+        for buffer in list(self._buffers):
+            buffer.close()
+        self._probe.close()
+
+
+class _Hold:
+    """Keeps a mapped region alive; its finalizer says when it is unused."""
+
+    def __init__(self, array):
+        self.array = array
+        self.__array_interface__ = array.__array_interface__
+
+
+class PeerBuffers:
+    """Maps a verified co-located peer's buffers (read-only or private).
+
+    Args:
+        pid: the peer's process id.
+        token: the peer's probe token (bytes).
+        writable: map copy-on-write, so numpy views are writable (and can be
+            shared with TensorFlow through DLPack) while the peer's memory
+            stays untouched. Defaults to True.
+        cache: how many mapped buffers to keep. Defaults to 256.
+    """
+
+    def __init__(self, pid, token, writable=True, cache=256):
+        self.pid = pid
+        self.token = token
+        self.writable = writable
+        self._cache = OrderedDict()  # buffer id -> (fd, uint8 array)
+        self._cache_size = cache
+        self._lock = threading.Lock()
+
+    @classmethod
+    def connect(cls, description, writable=True):
+        """Verifies a peer's `Arena.describe()`; None if we cannot map it."""
+        if not supported() or not isinstance(description, list) or \
+                len(description) != 4:
+            return None
+        pid, boot, probe_fd, token_hex = description
+        try:
+            token = bytes.fromhex(token_hex)
+            if boot != _boot_id() or not boot or len(token) != TOKEN_BYTES:
+                return None
+            peer = cls(int(pid), token, writable)
+            probe = peer._map(int(probe_fd), TOKEN_BYTES)
+            if probe[:TOKEN_BYTES].tobytes() != token:
+                return None
+            return peer
+        except (OSError, ValueError, TypeError) as exc:
+            log.debug("no shared memory with pid %s: %s", pid, exc)
+            return None
+
+    def _map(self, fd, nbytes):
+        path = f"/proc/{self.pid}/fd/{fd}"
+        # O_NONBLOCK: a peer naming a FIFO must not block us.
+        handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            info = os.fstat(handle)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{path} is not a memory file")
+            if info.st_size < nbytes or info.st_size == 0:
+                raise ValueError(f"{path} holds {info.st_size} bytes, "
+                                 f"fewer than {nbytes}")
+            access = mmap.ACCESS_COPY if self.writable else mmap.ACCESS_READ
+            mapped = mmap.mmap(handle, info.st_size, access=access)
+        finally:
+            os.close(handle)
+        return np.frombuffer(mapped, np.uint8)
+
+    def view(self, ref):
+        """The bytes a wire reference names, as a uint8 array.
+
+        Args:
+            ref: [buffer id, fd, offset, nbytes] from `SharedBuffer.ref`.
+
+        Returns:
+            A uint8 numpy array whose base is a fresh holder object: the
+            region counts as in use until every view of it is gone (see
+            `hold`).
+
+        Raises:
+            ValueError: naming what is wrong with the reference.
+        """
+        if not (isinstance(ref, list) and len(ref) == 4
+                and all(isinstance(v, int) and not isinstance(v, bool)
+                        for v in ref)):
+            raise ValueError(f"a shared-memory reference is [buffer, fd, "
+                             f"offset, nbytes], got {ref!r:.80}")
+        buffer_id, fd, offset, nbytes = ref
+        if buffer_id < 1 or fd < 0 or offset < 0 or nbytes < 0:
+            raise ValueError(f"bad shared-memory reference {ref}")
+        with self._lock:
+            cached = self._cache.get(buffer_id)
+            if cached is None or cached[0] != fd:
+                try:
+                    cached = (fd, self._map(fd, offset + nbytes))
+                except OSError as exc:
+                    raise ValueError(f"cannot map buffer {buffer_id} of "
+                                     f"pid {self.pid}: {exc}") from None
+                self._cache[buffer_id] = cached
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(buffer_id)
+        whole = cached[1]
+        if offset + nbytes > whole.nbytes:
+            raise ValueError(f"reference {ref} reaches beyond buffer "
+                             f"{buffer_id}'s {whole.nbytes} bytes")
+        return whole[offset:offset + nbytes]
+
+    @staticmethod
+    def hold(array, on_release):
+        """A view of `array` that calls `on_release()` once it and every
+        view made from it (including DLPack exports) are gone."""
+        holder = _Hold(array)
+        weakref.finalize(holder, on_release)
+        return np.asarray(holder)
