@@ -327,6 +327,57 @@ def pack(variables, layout, snapshot=None):
     return _gen.geeps_pack_tensors_delta(values, snapshot, sizes=sizes)
 
 
+def pack_delta_into(variables, layout, snapshot, out, scale=1.0):
+    """Writes `(variables - snapshot) * scale` into the memory of `out`.
+
+    `pack(..., snapshot=...)` returns a new tensor; this writes the update
+    straight into a host buffer the caller owns (a co-located shard reads
+    it from shared memory), saving the copy from a fresh tensor and the
+    fresh tensor's page faults, and folds in the averaging scale. CPU
+    variables only (`out` is host memory); runs eagerly.
+
+    Args:
+        variables: resource variables on the CPU, in the layout's order.
+        layout: their `PackLayout`.
+        snapshot: 1-D tensor of `layout.total_size` elements (the values the
+            update is measured from).
+        out: 1-D tensor of `layout.total_size` elements that aliases the
+            destination memory (e.g. `tf.experimental.dlpack.from_dlpack`
+            of a 64-byte aligned numpy array). Its memory is overwritten.
+        scale: multiplies the update. Defaults to 1.0.
+
+    Example:
+
+    ```python
+    weights = [tf.Variable(tf.ones([4]))]
+    layout = PackLayout(weights)
+    before = pack(weights, layout)
+    weights[0].assign_add([1.0, 2.0, 3.0, 4.0])
+    target = np.zeros(4, np.float32)  # 64-byte aligned in practice
+    pack_delta_into(weights, layout, before,
+                    tf.experimental.dlpack.from_dlpack(target.__dlpack__()),
+                    scale=0.5)
+    target  # [0.5, 1.0, 1.5, 2.0]
+    ```
+    """
+    variables = list(variables)
+    _check_layout(variables, layout)
+    if not tf.executing_eagerly():
+        raise ValueError("pack_delta_into writes caller memory: call it "
+                         "eagerly (e.g. inside tf.py_function)")
+    resources = [_resource_variable(v) for v in variables]
+    if any(r is None for r in resources):
+        raise TypeError("pack_delta_into takes resource variables")
+    for variable in resources:
+        if "CPU" not in variable.device.upper():
+            raise ValueError(f"pack_delta_into takes CPU variables; "
+                             f"{variable.name} is on {variable.device}")
+        resource_variable_ops.variable_accessed(variable)
+    snapshot = tf.convert_to_tensor(snapshot, dtype=layout.dtype)
+    _gen.geeps_pack_delta_into([r.handle for r in resources], snapshot, out,
+                               sizes=list(layout.sizes), scale=float(scale))
+
+
 def _pack_grad(op, grad, resources, delta):
     """Gradient of a pack: the buffer's gradient split back per input."""
     sizes = op.get_attr("sizes")

@@ -497,3 +497,37 @@ def test_cuda_build_loads_and_runs_cpu_kernels_without_a_gpu():
         "print('ok')\n",
         {"KERAS_GEEPS_CUDA": "1"})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.float64])
+def test_pack_delta_into_writes_the_scaled_delta_in_place(dtype):
+    rng = np.random.default_rng(5)
+    variables = _variables(rng, PACK_SHAPES, dtype)
+    layout = ops.PackLayout(variables)
+    snapshot = tf.constant(rng.standard_normal(layout.total_size), dtype=dtype)
+    # One element in: memory from DLPack need not be 64-byte aligned.
+    out = np.full(layout.total_size + 1, 7, dtype.as_numpy_dtype)[1:]
+    alias = tf.experimental.dlpack.from_dlpack(out.__dlpack__())
+    want = _rounded(np.subtract, ops.pack(variables, layout).numpy(),
+                    snapshot.numpy())
+    ops.pack_delta_into(variables, layout, snapshot, alias)
+    np.testing.assert_array_equal(out, want)
+    ops.pack_delta_into(variables, layout, snapshot, alias, scale=0.25)
+    np.testing.assert_array_equal(out, want * dtype.as_numpy_dtype(0.25))
+
+
+def test_pack_delta_into_refuses_bad_calls():
+    variables = [tf.Variable(tf.zeros([2, 2])), tf.Variable(tf.zeros([3]))]
+    layout = ops.PackLayout(variables)
+    snapshot = tf.zeros([7])
+    small = np.zeros(6, np.float32)
+    with pytest.raises(INVALID, match="out has shape"):
+        ops.pack_delta_into(variables, layout, snapshot,
+                            tf.experimental.dlpack.from_dlpack(
+                                small.__dlpack__()))
+    with pytest.raises(TypeError, match="resource variables"):
+        ops.pack_delta_into([tf.zeros([2, 2]), tf.zeros([3])], layout,
+                            snapshot, tf.zeros([7]))
+    with pytest.raises(ValueError, match="eagerly"):
+        tf.function(lambda: ops.pack_delta_into(
+            variables, layout, snapshot, tf.zeros([7])))()

@@ -107,7 +107,10 @@ class Table:
         self.last_read_ages = []    # ... of each part it touched
         self.incoming = [[-1, 0, []] for _ in parts]  # age, rows, chunks
         self.clock = 0
-        self.uploads = [[] for _ in parts]  # [[shm buffer, clock]] per part
+        # Shared buffers co-located shards read updates from:
+        # [[shm.SharedBuffer, clock used, held by the log]].
+        self.uploads = []
+        self.upload_target = None   # (array, entry) given by update_target
         self.update_buffer = None   # this clock's summed updates
         self.update_owned = False   # True: we allocated update_buffer
         self.read_my_writes = read_my_writes
@@ -293,20 +296,50 @@ class GeePSClient:
             self._send(shard, Message(MsgType.RELEASE, meta={
                 "arena": token, "buffers": buffers}))
 
-    def _upload_buffer(self, table, part, clock, nbytes):
-        """A shared buffer for this clock's update of one part: one whose
-        last update the shard has applied (a push of a later age came), or a
-        new one; None past a bound (then the update goes by TCP)."""
-        uploads = table.uploads[part]
-        for entry in uploads:
-            if entry[1] < table.ages[part] and entry[0].nbytes >= nbytes:
-                entry[1] = clock
-                return entry[0]
-        if len(uploads) >= min(self.slack, 2) + 3:
+    def _upload_entry(self, table, clock):
+        """A shared buffer for one clock's update of a whole table: one
+        whose last update every shard has applied (pushes of a later age
+        came) and the replay log no longer holds, or a new one; None past a
+        bound (the update then goes by TCP)."""
+        applied = int(table.ages.min())
+        for entry in table.uploads:
+            if entry[1] < applied and not (entry[2] and entry[1] in
+                                           table.log):
+                entry[1], entry[2] = clock, False
+                return entry
+        if len(table.uploads) >= min(self.slack, 2) + 3:
             return None
-        buffer = self._arena.allocate(nbytes)
-        uploads.append([buffer, clock])
-        return buffer
+        entry = [self._arena.allocate(table.nbytes), clock, False]
+        table.uploads.append(entry)
+        return entry
+
+    def update_target(self, what):
+        """A buffer to write this clock's whole-table update into, or None.
+
+        When a shard of the table shares memory with this worker, the
+        returned (rows, width) array lies in memory that shard reads: pass
+        it to `update(..., copy=False)` after filling it and the update
+        travels without a copy. None when no shard shares memory (or every
+        shared buffer is still in use): build the update elsewhere.
+
+        Args:
+            what: a `Table` or its name.
+
+        Returns:
+            A writable, 64-byte aligned (rows, width) array, or None.
+        """
+        table = self.handle_for(what).table
+        if self._arena is None or table.update_buffer is not None or \
+                not any(s in self._shm_upload for s, _, _ in table.parts):
+            return None
+        with table.lock:
+            entry = self._upload_entry(table, table.clock)
+        if entry is None:
+            return None
+        array = entry[0].array[:table.nbytes].view(table.dtype).reshape(
+            table.rows, table.width)
+        table.upload_target = (array, entry)
+        return array
 
     def _request_all(self, requests, what):
         """Sends [(shard, message)] and waits for every reply (bounded)."""
@@ -839,26 +872,39 @@ class GeePSClient:
             table.update_buffer = None
             if table.read_my_writes:
                 table.own[table.clock] = buffer
-        for part, (shard, start, end) in enumerate(table.parts):
-            shared = None
-            if shard in self._shm_upload and end > start:
-                shared = self._upload_buffer(
-                    table, part, table.clock,
-                    (end - start) * table.width * table.dtype.itemsize)
-            if shared is not None:
-                rows = buffer[start:end]
-                np.copyto(shared.array[:rows.nbytes].view(table.dtype)
-                          .reshape(rows.shape), rows)
-                self.shm_bytes_out += rows.nbytes
+        entry = self._shared_update(table, buffer)
+        row_bytes = table.width * table.dtype.itemsize
+        for shard, start, end in table.parts:
+            if entry is not None and shard in self._shm_upload and end > start:
+                self.shm_bytes_out += (end - start) * row_bytes
                 self._send(shard, Message(
                     MsgType.UPDATE, table.id, clk=table.clock,
-                    meta={"chunk_row": 0,
-                          "ref": shared.ref(0, rows.nbytes)}))
+                    meta={"chunk_row": 0, "ref": entry[0].ref(
+                        start * row_bytes, (end - start) * row_bytes)}))
                 continue
             for message in self._update_messages(table, table.clock, buffer,
                                                  start, end):
                 self._send(shard, message)
         return buffer
+
+    def _shared_update(self, table, buffer):
+        """The upload entry holding `buffer`'s rows for co-located shards:
+        the one `update_target` gave when the update was written there, else
+        a free one it is copied into; None if no shard shares memory."""
+        target, table.upload_target = table.upload_target, None
+        if not any(s in self._shm_upload for s, _, _ in table.parts):
+            return None
+        if target is not None:
+            array, entry = target
+            if buffer.ctypes.data == array.ctypes.data and \
+                    buffer.nbytes == array.nbytes:
+                entry[2] = self._keep_log  # the log keeps this very memory
+                return entry
+        entry = self._upload_entry(table, table.clock)
+        if entry is not None:
+            np.copyto(entry[0].array[:table.nbytes].view(table.dtype)
+                      .reshape(buffer.shape), buffer)
+        return entry
 
     def _update_messages(self, table, clock, buffer, start, end):
         """UPDATE messages carrying buffer's rows [start, end) in chunks

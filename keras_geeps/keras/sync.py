@@ -98,6 +98,7 @@ class LayerTable:
         self.snapshot = None       # tensor: the variables after the pull
         self.snapshot_stale = False  # variables changed since the snapshot
         self.pulled_ages = None
+        self.on_cpu = all("CPU" in v.device.upper() for v in variables)
         self._buffers = [_aligned_empty(layout.total_size,
                                         table.dtype) for _ in range(2)]
         self._next = 0
@@ -299,11 +300,21 @@ class ParameterSync:
         started = time.perf_counter()
         layer = self.tables[index]
         table = layer.table
-        delta = ops.pack(layer.variables if values is None else values,
-                         layer.layout, snapshot=layer.snapshot)
-        if self.scale != 1.0:
-            delta = delta * tf.constant(self.scale, delta.dtype)
-        rows = as_host_array(delta).reshape(table.rows, table.width)
+        target = None
+        if values is None and layer.snapshot is not None and layer.on_cpu:
+            with self.lock:  # memory a co-located shard reads, if any
+                target = self.client.update_target(table)
+        if target is not None:
+            ops.pack_delta_into(layer.variables, layer.layout,
+                                layer.snapshot, as_tensor(target.reshape(-1)),
+                                scale=self.scale)
+            rows = target
+        else:
+            delta = ops.pack(layer.variables if values is None else values,
+                             layer.layout, snapshot=layer.snapshot)
+            if self.scale != 1.0:
+                delta = delta * tf.constant(self.scale, delta.dtype)
+            rows = as_host_array(delta).reshape(table.rows, table.width)
         with self.lock:
             self.client.update(table, rows, copy=False)
             self.client.clock([table])

@@ -176,6 +176,21 @@ absl::Status CheckBuffer(const Tensor& buffer, const char* what,
   return absl::OkStatus();
 }
 
+// Checks every variable's dtype and element count against the layout
+// (all of them, before any is touched).
+template <typename T>
+absl::Status CheckLayoutVariables(
+    const std::vector<core::RefCountPtr<Var>>& vars,
+    const std::vector<int64_t>& offsets) {
+  for (size_t i = 0; i < vars.size(); ++i) {
+    TF_RETURN_IF_ERROR(CheckVariable(vars[i].get(), DataTypeToEnum<T>::value,
+                                     absl::StrCat("variable ", i)));
+    TF_RETURN_IF_ERROR(CheckSegmentSize(static_cast<int>(i),
+                                        vars[i]->tensor()->shape(), offsets));
+  }
+  return absl::OkStatus();
+}
+
 // Pack of resource variables (kResources) or of tensors, optionally minus a
 // snapshot (kDelta).
 template <typename Device, typename T, bool kResources, bool kDelta>
@@ -216,14 +231,8 @@ class PackOp : public OpKernel {
     std::vector<core::RefCountPtr<Var>> vars;
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, 0, n, &vars));
     VariableListLock lock(vars, /*exclusive=*/false);
-    for (int i = 0; i < n; ++i) {
-      Var* var = vars[i].get();
-      OP_REQUIRES_OK(ctx, CheckVariable(var, DataTypeToEnum<T>::value,
-                                        absl::StrCat("variable ", i)));
-      OP_REQUIRES_OK(ctx,
-                     CheckSegmentSize(i, var->tensor()->shape(), offsets_));
-      srcs[i] = var->tensor()->flat<T>().data();
-    }
+    OP_REQUIRES_OK(ctx, CheckLayoutVariables<T>(vars, offsets_));
+    for (int i = 0; i < n; ++i) srcs[i] = vars[i]->tensor()->flat<T>().data();
     OP_REQUIRES_OK(ctx,
                    pack(ctx, srcs, offsets_, snapshot, out->flat<T>().data()));
   }
@@ -263,14 +272,7 @@ class UnpackOp : public OpKernel {
                       "variable once")));
     }
     VariableListLock lock(vars, /*exclusive=*/true);
-    // Check every variable before touching any.
-    for (int i = 0; i < n; ++i) {
-      Var* var = vars[i].get();
-      OP_REQUIRES_OK(ctx, CheckVariable(var, DataTypeToEnum<T>::value,
-                                        absl::StrCat("variable ", i)));
-      OP_REQUIRES_OK(ctx,
-                     CheckSegmentSize(i, var->tensor()->shape(), offsets_));
-    }
+    OP_REQUIRES_OK(ctx, CheckLayoutVariables<T>(vars, offsets_));
     std::vector<T*> dsts(n);
     for (int i = 0; i < n; ++i) {
       Var* var = vars[i].get();
@@ -288,6 +290,81 @@ class UnpackOp : public OpKernel {
   std::vector<int64_t> offsets_;
   bool add_;
 };
+
+// PackDeltaInto: (variables - snapshot) * scale written into `out`'s memory,
+// which the caller owns (a host buffer shared with a co-located shard, seen
+// by TensorFlow through DLPack). CPU only: the buffer is host memory.
+template <typename T>
+class PackDeltaIntoOp : public OpKernel {
+ public:
+  explicit PackDeltaIntoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, LayoutOffsets(ctx, &offsets_));
+    float scale;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale));
+    scale_ = static_cast<T>(scale);
+    unscaled_ = scale == 1.0f;
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int n = static_cast<int>(offsets_.size()) - 1;
+    const int64_t total = offsets_.back();
+    OP_REQUIRES(ctx, ctx->num_inputs() == n + 2,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "the layout has ", n, " sizes but ", ctx->num_inputs() - 2,
+                    " variables were given")));
+    const Tensor& snap = ctx->input(n);
+    const Tensor& out = ctx->input(n + 1);
+    OP_REQUIRES_OK(ctx, CheckBuffer(snap, "snapshot", total));
+    OP_REQUIRES_OK(ctx, CheckBuffer(out, "out", total));
+    std::vector<core::RefCountPtr<Var>> vars;
+    OP_REQUIRES_OK(ctx, LookupVariables(ctx, 0, n, &vars));
+    VariableListLock lock(vars, /*exclusive=*/false);
+    OP_REQUIRES_OK(ctx, CheckLayoutVariables<T>(vars, offsets_));
+    std::vector<const T*> srcs(n);
+    for (int i = 0; i < n; ++i) srcs[i] = vars[i]->tensor()->flat<T>().data();
+    // tensor_data(), not flat<T>(): memory from DLPack need not have
+    // Eigen's 64-byte alignment. Writing an input is this op's contract:
+    // `out` aliases caller memory.
+    const T* snapshot = reinterpret_cast<const T*>(snap.tensor_data().data());
+    T* dst_all = reinterpret_cast<T*>(const_cast<char*>(out.tensor_data().data()));
+    const T scale = scale_;
+    const bool unscaled = unscaled_;
+    const auto& offsets = offsets_;
+    ParallelForBlocks(
+        ctx, total, sizeof(T), [&](int64_t begin, int64_t end) {
+          functor::ForEachSegmentPiece(
+              offsets, begin, end, [&](size_t s, int64_t from, int64_t to) {
+                const T* __restrict__ src = srcs[s] + (from - offsets[s]);
+                const T* __restrict__ old = snapshot + from;
+                T* __restrict__ dst = dst_all + from;
+                const int64_t len = to - from;
+                if (unscaled) {
+                  for (int64_t k = 0; k < len; ++k) dst[k] = src[k] - old[k];
+                } else {
+                  for (int64_t k = 0; k < len; ++k) {
+                    dst[k] = static_cast<T>(src[k] - old[k]) * scale;
+                  }
+                }
+              });
+        });
+  }
+
+ private:
+  std::vector<int64_t> offsets_;
+  T scale_;
+  bool unscaled_;
+};
+
+#define GEEPS_REGISTER_INTO(T)                               \
+  REGISTER_KERNEL_BUILDER(Name("Geeps>PackDeltaInto")        \
+                              .Device(DEVICE_CPU)            \
+                              .TypeConstraint<T>("dtype"),   \
+                          PackDeltaIntoOp<T>);
+GEEPS_REGISTER_INTO(float)
+GEEPS_REGISTER_INTO(Eigen::half)
+GEEPS_REGISTER_INTO(bfloat16)
+GEEPS_REGISTER_INTO(double)
+#undef GEEPS_REGISTER_INTO
 
 }  // namespace
 

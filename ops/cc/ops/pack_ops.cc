@@ -161,6 +161,30 @@ Writes a packed 1-D buffer back into N resource variables, in place under
 their locks: `assign` overwrites them, `add` adds the buffer into them.
 )doc");
 
+REGISTER_OP("Geeps>PackDeltaInto")
+    .Input("resources: N * resource")
+    .Input("snapshot: dtype")
+    .Input("out: dtype")
+    .GEEPS_PACK_ATTRS.Attr("scale: float = 1.0")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> sizes;
+      int64_t total;
+      TF_RETURN_IF_ERROR(LayoutSizes(c, &sizes, &total));
+      const int n = static_cast<int>(sizes.size());
+      for (int i = 0; i < 2; ++i) {
+        ShapeHandle buffer;
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(n + i), 1, &buffer));
+        TF_RETURN_IF_ERROR(c->Merge(buffer, c->Vector(total), &buffer));
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Writes (N resource variables - snapshot) * scale into the memory of `out`,
+a host buffer the caller owns and shares with TensorFlow (CPU only). Lets a
+worker put its update straight into memory a co-located shard reads.
+)doc");
+
 #undef GEEPS_PACK_ATTRS
 
 }  // namespace geeps

@@ -1,0 +1,223 @@
+"""Shared memory between co-located peers: buffers, verification, refs."""
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+from keras_geeps import shm
+
+
+def test_peer_reads_what_the_owner_wrote_and_release_waits_for_views():
+    arena = shm.Arena()
+    buffer = arena.allocate(4096)
+    buffer.array[:] = np.arange(4096) % 251
+    peer = shm.PeerBuffers.connect(arena.describe())
+    assert peer is not None
+    region = peer.view(buffer.ref(100, 400))
+    np.testing.assert_array_equal(region, buffer.array[100:500])
+    released = []
+    held = peer.hold(region, lambda: released.append(True))
+    floats = held.view(np.float32)  # views of views keep the hold
+    floats[:] = 0  # copy-on-write: the owner's memory is untouched
+    assert buffer.array[100:500].any()
+    del held
+    gc.collect()
+    assert not released
+    del floats
+    gc.collect()
+    assert released == [True]
+    arena.close()
+
+
+def test_connect_refuses_what_it_cannot_verify():
+    arena = shm.Arena()
+    pid, boot, fd, token = arena.describe()
+    assert shm.PeerBuffers.connect([pid, boot, fd, "00" * 16]) is None
+    assert shm.PeerBuffers.connect([pid, "another-host", fd, token]) is None
+    assert shm.PeerBuffers.connect([pid, boot, 999999, token]) is None
+    assert shm.PeerBuffers.connect([2 ** 30, boot, fd, token]) is None
+    assert shm.PeerBuffers.connect("not a list") is None
+    assert shm.PeerBuffers.connect([pid, boot, fd, "zz"]) is None
+    arena.close()
+
+
+def test_bad_references_raise_value_error(tmp_path):
+    arena = shm.Arena()
+    buffer = arena.allocate(1000)
+    peer = shm.PeerBuffers.connect(arena.describe())
+    for ref in ([buffer.id, buffer.fd, 900, 200],   # beyond the end
+                [buffer.id, buffer.fd, -1, 10],
+                [0, buffer.fd, 0, 10],
+                [buffer.id, buffer.fd, 0],
+                [buffer.id, 1.5, 0, 10],
+                "ref"):
+        with pytest.raises(ValueError):
+            peer.view(ref)
+    # A descriptor that is not a memory file (a FIFO) is refused, not
+    # waited on.
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    handle = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    with pytest.raises(ValueError, match="not a memory file"):
+        peer.view([buffer.id + 1, handle, 0, 10])
+    os.close(handle)
+    arena.close()
+
+
+def test_env_switch(monkeypatch):
+    monkeypatch.setenv("KERAS_GEEPS_SHM", "0")
+    assert not shm.enabled_by_env()
+    monkeypatch.setenv("KERAS_GEEPS_SHM", "1")
+    assert shm.enabled_by_env()
+
+
+def test_module_examples():
+    import doctest  # noqa: PLC0415
+    assert doctest.testmod(shm).failed == 0
+
+
+# ------------------------------------------- through shards and clients
+def _bsp_rounds(client, w, rounds=6, shape=(700, 100)):
+    init = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    table = client.create_table("t", *shape, init=init)
+    for clk in range(rounds):
+        expected = init + sum((v + 1) * c for v in range(client.num_workers)
+                              for c in range(clk))
+        np.testing.assert_array_equal(client.read(table), expected)
+        client.update(table, np.full(shape, (w + 1) * clk, np.float32))
+        client.clock()
+    return client.stats()
+
+
+def _run(cluster, body, kwargs_of=lambda w: {}):
+    from tests.worker_threads import run_worker_threads  # noqa: PLC0415
+
+    def run(w):
+        with cluster.client(w, timeout=20, **kwargs_of(w)) as client:
+            return body(client, w)
+
+    results, errors = run_worker_threads(cluster.num_workers, run)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_colocated_rows_and_updates_travel_through_shared_memory(
+        thread_cluster):
+    cluster = thread_cluster(2, 2)
+    stats = _run(cluster, _bsp_rounds)
+    table_bytes = 700 * 100 * 4
+    for s in stats.values():
+        assert s["shm_bytes_sent"] == 6 * table_bytes  # every update
+        assert s["shm_bytes_received"] >= 5 * table_bytes
+        # Only headers (and the creator's initial rows) crossed TCP.
+        assert s["bytes_sent"] - s["shm_bytes_sent"] < 1.5 * table_bytes
+    for server in cluster.shards:
+        assert server.stats["shm_bytes_in"] > 0
+        assert not server._holds or all(
+            sum(h.values()) <= 2 for h in server._holds.values())
+
+
+def test_mixed_shared_memory_and_tcp_workers_agree(thread_cluster):
+    cluster = thread_cluster(2, 2)
+    stats = _run(cluster, _bsp_rounds,
+                 kwargs_of=lambda w: {"shared_memory": w == 0})
+    assert stats[0]["shm_bytes_received"] > 0
+    assert stats[1]["shm_bytes_received"] == stats[1]["shm_bytes_sent"] == 0
+
+
+def test_update_target_sends_without_a_copy(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=20) as client:
+        table = client.create_table("t", 64, 32)
+        for clk in range(5):
+            target = client.update_target(table)
+            assert target is not None and target.ctypes.data % 64 == 0
+            target[:] = clk + 1
+            client.update(table, target, copy=False)
+            client.clock()
+            rows = client.read(table)
+            np.testing.assert_array_equal(rows, sum(range(1, clk + 2)))
+            shared = client.read_shared(table)
+            np.testing.assert_array_equal(shared, rows)
+        # Never more upload buffers than the bound, all reused.
+        assert len(table.uploads) <= 3
+
+
+def test_worker_holding_every_push_falls_back_to_tcp(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    kept = []
+    with cluster.client(0, timeout=20) as client:
+        table = client.create_table("t", 256, 64)
+        for clk in range(12):
+            kept.append(client.read_shared(table))  # never let go
+            client.update(table, np.ones((256, 64), np.float32))
+            client.clock()
+        np.testing.assert_array_equal(client.read(table), 12.0)
+        server = cluster.shards[0]
+        held = sum(h.get(0, 0) for h in server._holds.values())
+        assert held <= server.settings.max_held_buffers
+        # Buffers it still holds keep the clock they were read at.
+        for clk, rows in enumerate(kept):
+            if rows is not None:
+                np.testing.assert_array_equal(rows, float(clk))
+        kept.clear()
+
+
+def test_shard_refuses_bad_shared_memory_references(thread_cluster):
+    import zmq  # noqa: PLC0415
+
+    from keras_geeps import protocol  # noqa: PLC0415
+    from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 2)
+    server = cluster.shards[0]
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(server.address)
+
+    def ask(message):
+        message.worker = 1
+        sock.send_multipart(protocol.encode(message))
+        while sock.poll(5000):  # skip the pushes of the declared table
+            reply = protocol.decode(sock.recv_multipart())
+            if reply.type != MsgType.PUSH:
+                return reply
+        return None
+
+    arena = shm.Arena()
+    try:
+        with cluster.client(0, timeout=20) as client:
+            table = client.create_table("t", 16, 8)
+            meta = {"name": "t", "rows": 16, "width": 8, "dtype": "float32",
+                    "row_start": 0, "row_end": 16}
+            # Without the shared-memory handshake a ref is refused.
+            assert ask(Message(MsgType.HELLO, seq=1)).type == MsgType.WELCOME
+            assert ask(Message(MsgType.DECLARE, table.id, seq=2,
+                               meta=meta)).type == MsgType.ACK
+            reply = ask(Message(MsgType.UPDATE, table.id, seq=3,
+                                meta={"ref": [1, 3, 0, 512]}))
+            assert reply.type == MsgType.ERROR
+            assert "shares no memory" in reply.meta["error"]
+            # With it, refs naming too much or the wrong memory are refused.
+            welcome = ask(Message(MsgType.HELLO, seq=4, meta={
+                "shm": arena.describe(), "incarnation": 2}))
+            assert welcome.meta["shm_ok"]
+            buffer = arena.allocate(100)
+            for ref, why in (([buffer.id, buffer.fd, 0, 512], "fewer than"),
+                             ([buffer.id, buffer.fd, 0, 100], "whole rows"),
+                             ([buffer.id, 10 ** 6, 0, 64], "cannot map")):
+                reply = ask(Message(MsgType.UPDATE, table.id, seq=5,
+                                    meta={"ref": ref}))
+                assert reply.type == MsgType.ERROR, reply
+                assert why in reply.meta["error"]
+            # The shard and the real worker carry on.
+            client.update(table, np.ones((16, 8), np.float32))
+            client.clock()
+            assert client.shard_stats()[0]["errors"] >= 4
+    finally:
+        sock.close(linger=0)
+        context.term()
+        arena.close()
