@@ -8,18 +8,25 @@ the clock's advance). Every worker adds 1 to every element of a counter
 table at every clock, so the final counters must equal workers x clocks:
 anything below is an update lost, anything above one applied twice.
 
-Part 2: the push+pull round trip of a 16 MB table (1 worker, 1 shard)
-with CURVE on vs off, in the same run.
+Part 2: CURVE on vs off, in the same run, with shared memory off (the
+traffic of shards on other machines, which is what CURVE is for):
+  - `curve_vs_plain`: the push+pull round trip of a 16 MB table (1 worker,
+    1 shard process), nothing but transfer: the worst case;
+  - `curve_vs_plain_fit`: `model.fit` images/s of fit_bench's 1 M model,
+    2 worker x 2 shard processes, BSP: what a training job sees.
 
 Usage:
     python benchmarks/fault_bench.py [--cycles 20]
 
 The last line is a JSON object with `cycles`, `updates_lost`,
-`updates_duplicated`, `recovery_s_median` and `curve_vs_plain`.
+`updates_duplicated`, `recovery_s_median` and `curve_vs_plain` (and
+`curve_vs_plain_fit`).
 """
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -27,6 +34,7 @@ import time
 
 import numpy as np
 
+from keras_geeps import shm
 from keras_geeps.auth import ClientKeys, keygen
 from keras_geeps.launch import LocalCluster
 
@@ -95,7 +103,8 @@ def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=20):
                           f"{curve_dir}/shard.key")
     with LocalCluster(1, 1, processes=True, output=None,
                       shard_args=shard_args) as cluster:
-        with cluster.client(0, timeout=60, curve=keys) as client:
+        with cluster.client(0, timeout=60, curve=keys,
+                            shared_memory=False) as client:
             table = client.create_table("p", rows, 1024)
             out = np.empty((rows, 1024), np.float32)
             delta = np.ones((rows, 1024), np.float32)
@@ -110,6 +119,30 @@ def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=20):
     return statistics.median(times)
 
 
+def fit_images_per_s(curve_dir):
+    """fit_bench's 1 M model, 2 workers x 2 shards, BSP: images/s without
+    and with CURVE (shared memory off on both sides)."""
+    import fit_bench  # noqa: PLC0415 (benchmarks/ is on sys.path)
+    args = argparse.Namespace(steps=40, batch=128, steps_per_execution=1)
+    curve_args = ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
+                  "--curve-allowed-clients", f"{curve_dir}/allowed"]
+    figures = []
+    saved = os.environ.get(shm.ENV_SWITCH)
+    os.environ[shm.ENV_SWITCH] = "0"  # workers inherit it
+    try:
+        for shard_args, keys in (([], ""), (curve_args, curve_dir)):
+            workers = fit_bench.run_config(
+                args, "1M", 2, 2, shard_args=["--no-shared-memory",
+                                              *shard_args], curve_dir=keys)
+            figures.append(sum(f["images_per_s"] for f in workers))
+    finally:
+        if saved is None:
+            del os.environ[shm.ENV_SWITCH]
+        else:
+            os.environ[shm.ENV_SWITCH] = saved
+    return figures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=20)
@@ -121,23 +154,28 @@ def main():
           f"{duplicated}, recovery median {statistics.median(recoveries):.2f}"
           f" s (max {max(recoveries):.2f} s)", flush=True)
     with tempfile.TemporaryDirectory() as keys:
-        import os  # noqa: PLC0415
         os.makedirs(f"{keys}/allowed")
         keygen(keys, "shard")
-        keygen(keys, "worker")
-        with open(f"{keys}/worker.key", "rb") as f, \
-                open(f"{keys}/allowed/worker.key", "wb") as g:
-            g.write(f.read())
+        for name in ("worker", "worker0", "worker1"):
+            keygen(keys, name)
+            shutil.copy(f"{keys}/{name}.key", f"{keys}/allowed/{name}.key")
         plain = round_trip_seconds(None)
         curve = round_trip_seconds(keys)
-    print(f"16 MB round trip: plain {plain * 1e3:.1f} ms, CURVE "
-          f"{curve * 1e3:.1f} ms", flush=True)
+        print(f"16 MB round trip: plain {plain * 1e3:.1f} ms, CURVE "
+              f"{curve * 1e3:.1f} ms", flush=True)
+        fit_plain, fit_curve = fit_images_per_s(keys)
+        print(f"model.fit 1 M model, 2 workers x 2 shards: plain "
+              f"{fit_plain:.0f} images/s, CURVE {fit_curve:.0f} images/s",
+              flush=True)
     print(json.dumps({
         "cycles": cycles, "updates_lost": lost,
         "updates_duplicated": duplicated,
         "recovery_s_median": round(statistics.median(recoveries), 3),
         "recovery_s_max": round(max(recoveries), 3),
         "curve_vs_plain": round(plain / curve, 3),
+        "curve_vs_plain_fit": round(fit_curve / fit_plain, 3),
+        "plain_fit_images_per_s": round(fit_plain, 1),
+        "curve_fit_images_per_s": round(fit_curve, 1),
         "plain_round_trip_ms": round(plain * 1e3, 2),
         "curve_round_trip_ms": round(curve * 1e3, 2)}))
 

@@ -38,7 +38,14 @@ def worker_main(args):
     strategy = None
     if args.geeps:
         import keras_geeps  # noqa: PLC0415
-        strategy = keras_geeps.GeePSStrategy(slack=args.slack)
+        curve = None
+        if args.curve_dir:  # keys as fault_bench writes them
+            from keras_geeps.auth import ClientKeys  # noqa: PLC0415
+            from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
+            worker = ClusterSpec.from_env().worker_id
+            curve = ClientKeys(f"{args.curve_dir}/worker{worker}.key_secret",
+                               f"{args.curve_dir}/shard.key")
+        strategy = keras_geeps.GeePSStrategy(slack=args.slack, curve=curve)
     workers = strategy.num_workers if strategy else 1
     rng = np.random.default_rng(0)
     x = rng.random((args.steps * args.batch * workers, 784), np.float32)
@@ -95,7 +102,8 @@ def worker_main(args):
         json.dump(figures, f)
 
 
-def run_config(args, model, workers=0, shards=0, slack=0):
+def run_config(args, model, workers=0, shards=0, slack=0, shard_args=(),
+               curve_dir=""):
     """Runs one configuration; returns the workers' figures."""
     from keras_geeps.launch import launch  # noqa: PLC0415
     with tempfile.TemporaryDirectory() as out:
@@ -103,10 +111,13 @@ def run_config(args, model, workers=0, shards=0, slack=0):
                    "--model", model, "--steps", str(args.steps), "--batch",
                    str(args.batch), "--steps-per-execution",
                    str(args.steps_per_execution), "--slack", str(slack)]
+        if curve_dir:
+            command += ["--curve-dir", curve_dir]
         if workers:
             log = io.StringIO()
             code = launch(command + ["--geeps"], num_workers=workers,
-                          num_shards=shards, output=log)
+                          num_shards=shards, output=log,
+                          shard_args=shard_args)
             if code:
                 raise RuntimeError(log.getvalue()[-3000:])
         else:
@@ -129,6 +140,7 @@ def main():
     parser.add_argument("--slack", type=int, default=0,
                         help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--curve-dir", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main(args)

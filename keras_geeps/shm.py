@@ -15,6 +15,10 @@ proves it before any buffer is used: the owner shares a probe buffer
 holding a random token and the peer reads it back. Peers that fail it (other
 hosts, other containers) simply keep using TCP frames.
 
+Every buffer is sealed against shrinking (`F_SEAL_SHRINK`) before a peer
+sees it, and a reader refuses unsealed ones: a peer cannot truncate memory
+we have mapped and so crash us with SIGBUS.
+
 Set `KERAS_GEEPS_SHM=0` to turn shared memory off everywhere.
 
 Example:
@@ -28,6 +32,7 @@ b'\\x01\\x02\\x03\\x04'
 >>> arena.close()
 """
 
+import fcntl
 import itertools
 import logging
 import mmap
@@ -77,9 +82,11 @@ class SharedBuffer:
     def __init__(self, buffer_id, nbytes):
         self.id = buffer_id
         self.fd = os.memfd_create(f"keras_geeps-{buffer_id}",
-                                  os.MFD_CLOEXEC)
+                                  os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, max(nbytes, 1))
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
+                        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
             self._mmap = mmap.mmap(self.fd, max(nbytes, 1))
         except BaseException:
             os.close(self.fd)
@@ -183,6 +190,12 @@ class PeerBuffers:
             info = os.fstat(handle)
             if not stat.S_ISREG(info.st_mode):
                 raise ValueError(f"{path} is not a memory file")
+            try:
+                seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise ValueError(f"{path} is not sealed against shrinking")
             if info.st_size < nbytes or info.st_size == 0:
                 raise ValueError(f"{path} holds {info.st_size} bytes, "
                                  f"fewer than {nbytes}")

@@ -66,6 +66,20 @@ def test_bad_references_raise_value_error(tmp_path):
     arena.close()
 
 
+def test_buffers_cannot_shrink_and_unsealed_files_are_refused():
+    arena = shm.Arena()
+    buffer = arena.allocate(8192)
+    with pytest.raises(PermissionError):  # mapped memory stays mapped
+        os.ftruncate(buffer.fd, 100)
+    peer = shm.PeerBuffers.connect(arena.describe())
+    unsealed = os.memfd_create("unsealed")
+    os.ftruncate(unsealed, 8192)
+    with pytest.raises(ValueError, match="not sealed"):
+        peer.view([99, unsealed, 0, 100])
+    os.close(unsealed)
+    arena.close()
+
+
 def test_env_switch(monkeypatch):
     monkeypatch.setenv("KERAS_GEEPS_SHM", "0")
     assert not shm.enabled_by_env()
