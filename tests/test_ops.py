@@ -531,3 +531,22 @@ def test_pack_delta_into_refuses_bad_calls():
     with pytest.raises(ValueError, match="eagerly"):
         tf.function(lambda: ops.pack_delta_into(
             variables, layout, snapshot, tf.zeros([7])))()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
+def test_pack_delta_into_streams_large_float_updates(scale):
+    """Above 4 MB float32 takes the streaming-store path: same numbers."""
+    rng = np.random.default_rng(6)
+    variables = _variables(rng, [(1000, 1100), (3,), (7, 33)], tf.float32)
+    layout = ops.PackLayout(variables)
+    snapshot = tf.constant(rng.standard_normal(layout.total_size),
+                           dtype=tf.float32)
+    out = np.zeros(layout.total_size + 3, np.float32)[3:]  # misaligned
+    ops.pack_delta_into(variables, layout, snapshot,
+                        tf.experimental.dlpack.from_dlpack(out.__dlpack__()),
+                        scale=scale)
+    delta = ops.pack(variables, layout).numpy() - snapshot.numpy()
+    np.testing.assert_array_equal(out, delta * np.float32(scale))
+    # PackDelta streams its output too.
+    np.testing.assert_array_equal(
+        ops.pack(variables, layout, snapshot).numpy(), delta)

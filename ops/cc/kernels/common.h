@@ -130,6 +130,27 @@ inline void StreamingCopy(void* dst, const void* src, size_t bytes) {
 #endif
 }
 
+// d[k] = (a[k] - b[k]) * scale for floats, with streaming stores (as in
+// StreamingCopy: the output is written, never read, by this core).
+inline void StreamingSubtractScale(float* d, const float* a, const float* b,
+                                   int64_t n, float scale) {
+  int64_t k = 0;
+#if defined(__SSE2__)
+  for (; k < n && (reinterpret_cast<uintptr_t>(d + k) & 15); ++k) {
+    d[k] = (a[k] - b[k]) * scale;
+  }
+  const __m128 s = _mm_set1_ps(scale);
+  for (; k + 8 <= n; k += 8) {
+    const __m128 x0 = _mm_sub_ps(_mm_loadu_ps(a + k), _mm_loadu_ps(b + k));
+    const __m128 x1 =
+        _mm_sub_ps(_mm_loadu_ps(a + k + 4), _mm_loadu_ps(b + k + 4));
+    _mm_stream_ps(d + k, scale == 1.0f ? x0 : _mm_mul_ps(x0, s));
+    _mm_stream_ps(d + k + 4, scale == 1.0f ? x1 : _mm_mul_ps(x1, s));
+  }
+#endif
+  for (; k < n; ++k) d[k] = (a[k] - b[k]) * scale;
+}
+
 inline void StreamingFence() {
 #if defined(__SSE2__)
   _mm_sfence();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -63,6 +64,12 @@ struct PackSegments<CPUDevice, T> {
                   return;
                 }
                 const T* __restrict__ snap = snapshot + from;
+                if constexpr (std::is_same<T, float>::value) {
+                  if (streaming) {
+                    StreamingSubtractScale(dst, src, snap, len, 1.0f);
+                    return;
+                  }
+                }
                 for (int64_t k = 0; k < len; ++k) {
                   dst[k] = src[k] - snap[k];
                 }
@@ -330,6 +337,9 @@ class PackDeltaIntoOp : public OpKernel {
     const T scale = scale_;
     const bool unscaled = unscaled_;
     const auto& offsets = offsets_;
+    const bool streaming = std::is_same<T, float>::value &&
+                           total * static_cast<int64_t>(sizeof(T)) >=
+                               kStreamingBytes;
     ParallelForBlocks(
         ctx, total, sizeof(T), [&](int64_t begin, int64_t end) {
           functor::ForEachSegmentPiece(
@@ -338,6 +348,13 @@ class PackDeltaIntoOp : public OpKernel {
                 const T* __restrict__ old = snapshot + from;
                 T* __restrict__ dst = dst_all + from;
                 const int64_t len = to - from;
+                if constexpr (std::is_same<T, float>::value) {
+                  if (streaming) {
+                    StreamingSubtractScale(dst, src, old, len,
+                                           static_cast<float>(scale));
+                    return;
+                  }
+                }
                 if (unscaled) {
                   for (int64_t k = 0; k < len; ++k) dst[k] = src[k] - old[k];
                 } else {
@@ -346,6 +363,7 @@ class PackDeltaIntoOp : public OpKernel {
                   }
                 }
               });
+          if (streaming) StreamingFence();
         });
   }
 
