@@ -134,7 +134,7 @@ def fit_images_per_s(curve_dir):
             workers = fit_bench.run_config(
                 args, "1M", 2, 2, shard_args=["--no-shared-memory",
                                               *shard_args], curve_dir=keys)
-            figures.append(sum(f["images_per_s"] for f in workers))
+            figures.append(fit_bench.cluster_images_per_s(workers))
     finally:
         if saved is None:
             del os.environ[shm.ENV_SWITCH]

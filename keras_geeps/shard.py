@@ -543,6 +543,8 @@ class ShardServer:
             if peer is not None:  # co-located: it can map ours too
                 self._shm_writers[worker] = peer
                 welcome.update(shm=self._arena.describe(), shm_ok=True)
+            else:  # another host, container or user: TCP frames
+                welcome["shm_ok"] = False
         self._send(identity, Message(MsgType.WELCOME, seq=message.seq,
                                      meta=welcome))
 

@@ -256,11 +256,23 @@ class GeePSClient:
         self._shm_upload.discard(shard)
         meta = welcome.meta
         if self._arena is None or not meta.get("shm_ok"):
+            address = self.cluster.shards[shard]
+            if self._arena is not None and meta.get("shm_ok") is False and (
+                    "//127." in address or "//localhost:" in address):
+                log.warning("worker %d: shard %d (%s) is on this host but "
+                            "cannot map this worker's buffers; rows go "
+                            "through TCP", self.worker_id, shard, address)
             return
         peer = shm.PeerBuffers.connect(meta.get("shm"), writable=True)
         if peer is not None:
             self._shm_peers[shard] = (peer, peer.token.hex())
             self._shm_upload.add(shard)
+            log.info("worker %d: shard %d shares memory with this worker",
+                     self.worker_id, shard)
+        else:  # it maps ours, we cannot map its: say so
+            log.warning("worker %d: shard %d (%s) is on this host but its "
+                        "buffers cannot be mapped; rows go through TCP",
+                        self.worker_id, shard, self.cluster.shards[shard])
 
     def _shm_meta(self, shard, meta):
         if shard in self._shm_peers:

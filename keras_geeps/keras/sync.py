@@ -168,9 +168,10 @@ class ParameterSync:
                 self.build()
         if not self.tables:
             return call()
-        pulls = [tf.py_function(functools.partial(self._pull_op, i), [],
-                                tf.bool, name=f"geeps_pull_{i}")
-                 for i in range(len(self.tables))]
+        # One op pulls every table, in layer order: the step waits for all
+        # of them anyway, and each py_function call costs ~0.1-0.3 ms.
+        pulls = [tf.py_function(self._pull_all_op, [], tf.bool,
+                                name="geeps_pull")]
         outer, self._updated = self._updated, set()
         try:
             with tf.control_dependencies(pulls):
@@ -280,8 +281,9 @@ class ParameterSync:
         self.pull_seconds += time.perf_counter() - started
         return snapshot
 
-    def _pull_op(self, index):
-        self.pull(index)
+    def _pull_all_op(self):
+        for index in range(len(self.tables)):
+            self.pull(index)
         return True
 
     def _push_op(self, index):

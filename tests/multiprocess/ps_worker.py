@@ -60,7 +60,8 @@ def main():
               "wait_seconds": client.wait_seconds,
               "final_min": float(final.min()), "final_max": float(final.max()),
               "final_small": float(final_small.min()),
-              "final_small_max": float(final_small.max())}
+              "final_small_max": float(final_small.max()),
+              "stats": client.stats()}
     with open(f"{args.out}/worker{w}.json", "w") as f:
         json.dump(result, f)
     client.close()

@@ -30,9 +30,20 @@ def _run(tmp_path, workers, shards, *args):
             for w in range(workers)]
 
 
-def test_bsp_four_workers_two_shards_fifty_clocks(tmp_path):
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_bsp_four_workers_two_shards_fifty_clocks(tmp_path, monkeypatch,
+                                                  shared_memory):
+    monkeypatch.setenv("KERAS_GEEPS_SHM", shared_memory)
     results = _run(tmp_path, 4, 2, "--clocks", "50", "--slack", "0")
     for result in results:
+        # Co-located processes exchange rows through shared memory unless
+        # it is turned off: no silent fall-back to TCP either way.
+        stats = result["stats"]
+        if shared_memory == "1":
+            assert stats["shm_bytes_received"] > 0.9 * stats["bytes_received"]
+            assert stats["shm_bytes_sent"] > 0.9 * stats["bytes_sent"]
+        else:
+            assert stats["shm_bytes_received"] == stats["shm_bytes_sent"] == 0
         # Final values: the exact sums, on every worker.
         assert result["final_min"] == result["final_max"] == _expected(50, 4)
         assert result["final_small"] == result["final_small_max"] == 200.0
