@@ -1038,7 +1038,12 @@ class ShardServer:
                     tables=tables, held_bytes=self._held_bytes(),
                     workers=sorted(self._identities),
                     dead_workers=sorted(self._dead), failed=self._failed,
-                    parked_reads=len(self._parked))
+                    parked_reads=len(self._parked),
+                    shm_workers=sorted(self._shm_readers),
+                    shm_buffers=sum(len(t.pool.shared)
+                                    for t in self._tables.values()),
+                    shm_held=sum(sum(h.values())
+                                 for h in self._holds.values()))
 
 
 def build_parser(parser=None):

@@ -129,9 +129,13 @@ def test_colocated_rows_and_updates_travel_through_shared_memory(
         # Only headers (and the creator's initial rows) crossed TCP.
         assert s["bytes_sent"] - s["shm_bytes_sent"] < 1.5 * table_bytes
     for server in cluster.shards:
-        assert server.stats["shm_bytes_in"] > 0
-        assert not server._holds or all(
-            sum(h.values()) <= 2 for h in server._holds.values())
+        stats = server.snapshot_stats()
+        assert stats["shm_bytes_in"] > 0 and stats["shm_workers"] == [0, 1]
+        # Buffers are recycled, not allocated per clock, and each worker
+        # holds at most its latest rows and the ones before (releases are
+        # sent once the last view is gone).
+        assert stats["shm_buffers"] <= 5
+        assert stats["shm_held"] <= 2 * 2
 
 
 def test_mixed_shared_memory_and_tcp_workers_agree(thread_cluster):
