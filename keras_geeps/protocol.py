@@ -36,6 +36,12 @@ MAX_META_ITEMS = 64
 # consume each chunk while the next is still on the wire.
 DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 
+# ZeroMQ I/O threads per process (shard or worker). Each connection's
+# CURVE encryption runs in one I/O thread; two let a shard serve two
+# workers (or a worker two shards) on two cores: a 2x2 `fit` with CURVE
+# went from 0.62-0.70 to 0.74 of its plain speed.
+IO_THREADS = 2
+
 ALLOWED_DTYPES = (
     "float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8",
 )

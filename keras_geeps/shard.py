@@ -314,7 +314,7 @@ class ShardServer:
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.settings = settings or ShardSettings()
-        self._context = zmq.Context()
+        self._context = zmq.Context(io_threads=protocol.IO_THREADS)
         self._auth = None
         if curve is not None:
             from keras_geeps.auth import ShardAuth  # noqa: PLC0415

@@ -71,7 +71,7 @@ class IOThread:
         self._on_error = on_error
         self._worker_id = worker_id
         self.heartbeat_interval = heartbeat_interval
-        self._context = zmq.Context()
+        self._context = zmq.Context(io_threads=protocol.IO_THREADS)
         self._outbox = collections.deque()
         self._doorbell_lock = threading.Lock()
         endpoint = f"inproc://geeps-doorbell-{id(self)}"
