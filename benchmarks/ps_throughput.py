@@ -5,7 +5,10 @@ worker (BSP) adds a delta to the whole set, clocks, and reads the fresh
 rows back (the shards' push). Beside it, in the same run, the same bytes
 make a raw pyzmq round trip over the same transport: an echo process per
 "shard" that sends every chunk message straight back. GB/s counts the bytes
-sent plus the bytes received, per second.
+sent plus the bytes received, per second. keras_geeps runs with shared
+memory off for that comparison (the transport shards on other machines
+use); `geeps_shm_gbps` is the same round trip through shared memory, which
+co-located workers and shards use by default.
 
 Usage:
     python benchmarks/ps_throughput.py [--sizes-mb 4 64 256] [--shards 1 2]
@@ -90,12 +93,13 @@ def raw_round_trip(addresses, nbytes, repeats, chunk_bytes):
     return statistics.median(times)
 
 
-def geeps_round_trip(num_shards, nbytes, repeats, chunk_bytes):
+def geeps_round_trip(num_shards, nbytes, repeats, chunk_bytes,
+                     shared_memory=False):
     """Median seconds per clock: update the whole set, clock, read it back."""
     rows = nbytes // (WIDTH * 4)
     with LocalCluster(num_shards, 1, processes=True) as cluster:
-        with cluster.client(0, slack=0, timeout=300,
-                            chunk_bytes=chunk_bytes) as client:
+        with cluster.client(0, slack=0, timeout=300, chunk_bytes=chunk_bytes,
+                            shared_memory=shared_memory) as client:
             table = client.create_table("params", rows, WIDTH)
             out = np.empty((rows, WIDTH), np.float32)
             deltas = [np.full((rows, WIDTH), 0.5, np.float32)
@@ -128,7 +132,7 @@ def main():
         return
     results = {}
     print(f"{'size':>7} {'shards':>6} {'geeps GB/s':>11} {'raw zmq GB/s':>13}"
-          f" {'ratio':>6}")
+          f" {'ratio':>6} {'shm GB/s':>10}")
     for size_mb in args.sizes_mb:
         nbytes = size_mb << 20
         repeats = max(3, min(30, 512 // size_mb))
@@ -141,14 +145,19 @@ def main():
                 for proc in procs:
                     proc.wait(10)
             ours = geeps_round_trip(shards, nbytes, repeats, args.chunk_bytes)
+            shared = geeps_round_trip(shards, nbytes, repeats,
+                                      args.chunk_bytes, shared_memory=True)
             ours_gbs = 2 * nbytes / ours / 1e9
+            shm_gbs = 2 * nbytes / shared / 1e9
             raw_gbs = 2 * nbytes / raw / 1e9
             results[f"{size_mb}MB_{shards}shard"] = {
                 "geeps_gbps": round(ours_gbs, 3), "raw_zmq_gbps":
                 round(raw_gbs, 3), "ratio": round(raw / ours, 3),
-                "geeps_ms_per_clock": round(ours * 1e3, 2)}
+                "geeps_ms_per_clock": round(ours * 1e3, 2),
+                "geeps_shm_gbps": round(shm_gbs, 3)}
             print(f"{size_mb:>5}MB {shards:>6} {ours_gbs:>11.2f} "
-                  f"{raw_gbs:>13.2f} {raw / ours:>6.2f}", flush=True)
+                  f"{raw_gbs:>13.2f} {raw / ours:>6.2f} {shm_gbs:>10.2f}",
+                  flush=True)
     key = "64MB_2shard"
     summary = {"ratio_vs_raw_zmq": results.get(key, {}).get("ratio"),
                "results": results}
