@@ -151,10 +151,11 @@ class PeerBuffers:
         writable: map copy-on-write, so numpy views are writable (and can be
             shared with TensorFlow through DLPack) while the peer's memory
             stays untouched. Defaults to True.
-        cache: how many mapped buffers to keep. Defaults to 256.
+        cache: how many mapped buffers to keep (a shard maps up to 5 upload
+            buffers per table and worker). Defaults to 4096.
     """
 
-    def __init__(self, pid, token, writable=True, cache=256):
+    def __init__(self, pid, token, writable=True, cache=4096):
         self.pid = pid
         self.token = token
         self.writable = writable

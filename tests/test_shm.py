@@ -239,3 +239,36 @@ def test_shard_refuses_bad_shared_memory_references(thread_cluster):
         sock.close(linger=0)
         context.term()
         arena.close()
+
+
+def test_a_dead_workers_buffers_are_freed(thread_cluster):
+    import time  # noqa: PLC0415
+
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=1.0, on_worker_failure="continue"))
+    server = cluster.shards[0]
+    survivor = cluster.client(0, timeout=20, heartbeat_interval=0.1)
+    table = survivor.create_table("t", 64, 64)
+    doomed = cluster.client(1, timeout=20, heartbeat_interval=0.1)
+    mine = doomed.create_table("t", 64, 64)
+    for client, t in ((survivor, table), (doomed, mine)):
+        client.update(t, np.ones((64, 64), np.float32))  # fresh rows are
+        client.clock()                                     # shared
+    kept = doomed.read_shared(mine)
+    assert kept is not None
+    held = server.snapshot_stats()["shm_held"]
+    assert held >= 1
+    doomed.close()  # its heartbeats stop; it never releases `kept`
+    deadline = time.monotonic() + 10
+    while 1 not in server.snapshot_stats()["dead_workers"]:
+        assert time.monotonic() < deadline, "the worker was never declared dead"
+        time.sleep(0.1)
+    stats = server.snapshot_stats()
+    assert stats["shm_held"] <= held - 1 and 1 not in stats["shm_workers"]
+    # The survivor goes on alone.
+    survivor.update(table, np.ones((64, 64), np.float32))
+    survivor.clock()
+    np.testing.assert_array_equal(survivor.read(table, clock=2), 3.0)
+    survivor.close()
