@@ -8,12 +8,7 @@
 # was skipped, so it can be tried anywhere.
 #
 # Usage: bash benchmarks/gpu_check.sh [python]   (default: .venv/bin/python)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${1:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
+source "$(dirname "$0")/gpu_env.sh" "$@"
 
 echo "== device"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
@@ -92,4 +87,12 @@ EOF
 
 # The memory-management case (issue 5): tests/memory on the GPU, TF's peak
 # GPU memory under a budget vs without, and memory_bench at GPU sizes.
-bash "$(dirname "$0")/gpu_memory_check.sh" "$PY"
+bash benchmarks/gpu_memory_check.sh "$PY"
+
+# The Keras face (issue 4) on the GPU: plain model.fit vs GeePS with one
+# worker and one shard (the shard's add on the host, pack/unpack on the
+# device), 10 M-parameter model; about a minute.
+if has_gpu; then
+  echo "== fit_bench (10 M model)"
+  "$PY" benchmarks/fit_bench.py --models 10M
+fi

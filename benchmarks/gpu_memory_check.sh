@@ -12,18 +12,12 @@
 # Without a GPU it says so and stops after step 1 (whose GPU-only parts skip).
 #
 # Usage: bash benchmarks/gpu_memory_check.sh [python]  (default: .venv/bin/python)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${1:-.venv/bin/python}
-[ -x "$PY" ] || PY=python3
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
+source "$(dirname "$0")/gpu_env.sh" "$@"
 
 echo "== tests/memory"
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/memory
 
-if ! "$PY" -c 'import sys, tensorflow as tf
-sys.exit(0 if tf.config.list_physical_devices("GPU") else 1)' 2>/dev/null; then
+if ! has_gpu; then
   echo "no GPU visible to TensorFlow: peak-memory and benchmark parts skipped"
   exit 0
 fi
