@@ -539,7 +539,7 @@ class ShardServer:
             "max_pending_clocks": self.settings.max_pending_clocks,
             "checkpoint_every": self.settings.checkpoint_every}
         if self._arena is not None and "shm" in meta:
-            peer = shm.PeerBuffers.connect(meta["shm"], writable=False)
+            peer = shm.PeerBuffers.connect(meta["shm"])
             if peer is not None:  # co-located: it can map ours too
                 self._shm_writers[worker] = peer
                 welcome.update(shm=self._arena.describe(), shm_ok=True)

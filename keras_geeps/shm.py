@@ -143,28 +143,30 @@ class _Hold:
 
 
 class PeerBuffers:
-    """Maps a verified co-located peer's buffers (read-only or private).
+    """Maps a verified co-located peer's buffers, read-only.
+
+    Mappings are cached and reused when the peer recycles a buffer, so they
+    must never hold pages of their own: they are read-only (a copy-on-write
+    mapping written once would keep showing those stale private pages after
+    the peer rewrote the buffer). Views are read-only numpy arrays;
+    `writable_alias` serves consumers that need the flag but only read.
 
     Args:
         pid: the peer's process id.
         token: the peer's probe token (bytes).
-        writable: map copy-on-write, so numpy views are writable (and can be
-            shared with TensorFlow through DLPack) while the peer's memory
-            stays untouched. Defaults to True.
         cache: how many mapped buffers to keep (a shard maps up to 5 upload
             buffers per table and worker). Defaults to 4096.
     """
 
-    def __init__(self, pid, token, writable=True, cache=4096):
+    def __init__(self, pid, token, cache=4096):
         self.pid = pid
         self.token = token
-        self.writable = writable
         self._cache = OrderedDict()  # buffer id -> (fd, uint8 array)
         self._cache_size = cache
         self._lock = threading.Lock()
 
     @classmethod
-    def connect(cls, description, writable=True):
+    def connect(cls, description):
         """Verifies a peer's `Arena.describe()`; None if we cannot map it."""
         if not supported() or not isinstance(description, list) or \
                 len(description) != 4:
@@ -174,7 +176,7 @@ class PeerBuffers:
             token = bytes.fromhex(token_hex)
             if boot != _boot_id() or not boot or len(token) != TOKEN_BYTES:
                 return None
-            peer = cls(int(pid), token, writable)
+            peer = cls(int(pid), token)
             probe = peer._map(int(probe_fd), TOKEN_BYTES)
             if probe[:TOKEN_BYTES].tobytes() != token:
                 return None
@@ -200,8 +202,7 @@ class PeerBuffers:
             if info.st_size < nbytes or info.st_size == 0:
                 raise ValueError(f"{path} holds {info.st_size} bytes, "
                                  f"fewer than {nbytes}")
-            access = mmap.ACCESS_COPY if self.writable else mmap.ACCESS_READ
-            mapped = mmap.mmap(handle, info.st_size, access=access)
+            mapped = mmap.mmap(handle, info.st_size, access=mmap.ACCESS_READ)
         finally:
             os.close(handle)
         return np.frombuffer(mapped, np.uint8)
@@ -246,6 +247,20 @@ class PeerBuffers:
             raise ValueError(f"reference {ref} reaches beyond buffer "
                              f"{buffer_id}'s {whole.nbytes} bytes")
         return whole[offset:offset + nbytes]
+
+    @staticmethod
+    def writable_alias(array):
+        """`array`'s memory with numpy's writeable flag set.
+
+        DLPack cannot export read-only arrays, yet TensorFlow only reads
+        the pulled rows it aliases. The memory stays mapped read-only: a
+        write through the alias faults instead of corrupting anything.
+        The alias keeps `array` (and so its hold) alive.
+        """
+        alias = _Hold(array)
+        alias.__array_interface__ = dict(array.__array_interface__,
+                                         data=(array.ctypes.data, False))
+        return np.asarray(alias)
 
     @staticmethod
     def hold(array, on_release):

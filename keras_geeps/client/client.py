@@ -263,7 +263,7 @@ class GeePSClient:
                             "cannot map this worker's buffers; rows go "
                             "through TCP", self.worker_id, shard, address)
             return
-        peer = shm.PeerBuffers.connect(meta.get("shm"), writable=True)
+        peer = shm.PeerBuffers.connect(meta.get("shm"))
         if peer is not None:
             self._shm_peers[shard] = (peer, peer.token.hex())
             self._shm_upload.add(shard)
@@ -771,8 +771,9 @@ class GeePSClient:
         """The rows of a whole table without a copy, when they can be had so.
 
         A co-located shard's push arrives as one shared-memory buffer; this
-        returns it itself (64-byte aligned, so TensorFlow can alias it).
-        Do not modify it. It stays valid while referenced.
+        returns it itself (64-byte aligned, so TensorFlow can alias it). It
+        is mapped read-only: the writeable flag is set only so DLPack can
+        export it, and a write faults. It stays valid while referenced.
 
         Args:
             what: a `Table` or its name.
@@ -792,12 +793,13 @@ class GeePSClient:
             if len(chunks) != 1:
                 return None
             array = chunks[0][1]
-            if array.shape[0] != table.rows or array.ctypes.data % 64:
+            if array.shape[0] != table.rows or array.ctypes.data % 64 or \
+                    array.flags.writeable:  # ours: read-my-writes changes it
                 return None
             age = int(table.ages[0])
         table.last_read_ages = [age]
         table.last_read_age = age
-        return array
+        return shm.PeerBuffers.writable_alias(array)
 
     def update(self, what, delta, copy=True):
         """Adds `delta` to this clock's update of a table (or an access).

@@ -279,9 +279,11 @@ class ParameterSync:
             self.pull_seconds += time.perf_counter() - started
             return None
         with self.lock:
-            # A co-located shard's rows are used where they lie; others are
-            # copied out of the received chunks.
-            buffer = self.client.read_shared(table)
+            # A co-located shard's rows are used where they lie (only our
+            # ops read them); others, and the memory manager's host copies
+            # (which TF may compute on in place), are copied out.
+            buffer = self.client.read_shared(table) if values is None \
+                else None
             if buffer is None:
                 buffer = layer.next_buffer()
                 self.client.read(table, out=buffer.reshape(table.rows,
