@@ -108,10 +108,28 @@ class SharedBuffer:
             self.fd = -1
 
 
+def _raise_fd_limit():
+    """Every shared buffer keeps a descriptor open (peers open it through
+    /proc): lift the soft limit on open files to the hard one."""
+    try:
+        import resource  # noqa: PLC0415 (POSIX only)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (
+                hard == resource.RLIM_INFINITY or soft < hard):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError) as exc:
+        log.debug("could not raise the open-files limit: %s", exc)
+
+
 class Arena:
-    """The buffers this process shares with co-located peers."""
+    """The buffers this process shares with co-located peers.
+
+    `allocate` raises OSError when the process runs out of descriptors or
+    memory; callers then send that buffer's rows over TCP.
+    """
 
     def __init__(self):
+        _raise_fd_limit()
         self.token = os.urandom(TOKEN_BYTES)
         self._ids = itertools.count(1)
         self._probe = SharedBuffer(0, TOKEN_BYTES)

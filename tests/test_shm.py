@@ -289,3 +289,40 @@ def test_read_my_writes_never_writes_into_shared_rows(thread_cluster):
             client.clock()
         np.testing.assert_array_equal(client.read(table, clock=12), 12.0)
         assert client.stats()["shm_bytes_received"] > 0
+
+
+_FD_STARVED = r"""
+import os, resource
+import numpy as np
+from keras_geeps.launch import LocalCluster
+with LocalCluster(1, 1) as cluster:
+    with cluster.client(0, timeout=20) as client:
+        table = client.create_table("t", 256, 64)
+        client.update(table, np.ones((256, 64), np.float32))
+        client.clock()
+        client.read(table)
+        # From here on no new descriptor can be opened: new shared buffers
+        # fail, and their rows must go through TCP, exactly.
+        used = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (used, used))
+        big = client.create_table("big", 512, 128)
+        for clk in range(5):
+            client.update(big, np.ones((512, 128), np.float32))
+            client.clock([big])
+        assert (client.read(big, clock=5) == 5.0).all()
+        print("tcp bytes", client.stats()["bytes_received"]
+              - client.stats()["shm_bytes_received"])
+"""
+
+
+def test_out_of_descriptors_falls_back_to_tcp(tmp_path):
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    result = subprocess.run([sys.executable, "-c", _FD_STARVED],
+                            capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    tcp_bytes = int(result.stdout.split("tcp bytes")[1])
+    assert tcp_bytes > 5 * 512 * 128 * 4  # the big table's rows came by TCP
+    assert "through TCP" in result.stderr  # and it was said

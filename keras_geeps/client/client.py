@@ -321,7 +321,13 @@ class GeePSClient:
                 return entry
         if len(table.uploads) >= min(self.slack, 2) + 3:
             return None
-        entry = [self._arena.allocate(table.nbytes), clock, False]
+        try:
+            entry = [self._arena.allocate(table.nbytes), clock, False]
+        except OSError as exc:  # out of descriptors: this update by TCP
+            log.warning("worker %d: no shared upload buffer for table %r "
+                        "(%s); its update goes through TCP", self.worker_id,
+                        table.name, exc)
+            return None
         table.uploads.append(entry)
         return entry
 
