@@ -33,6 +33,10 @@ SEEDS = [Message(kind, table=0, clk=0, worker=0, seq=5, arrays=arrays,
         "row_start": 0, "row_end": 4, "chunk_row": 0}),
     (MsgType.HEARTBEAT, [], {}),
     (MsgType.STATS, [], {}),
+    # Shared-memory forms: a reference instead of rows, a release.
+    (MsgType.UPDATE, [], {"chunk_row": 0, "ref": [1, 3, 0, 128]}),
+    (MsgType.READ, [], {"shm": True}),
+    (MsgType.RELEASE, [], {"arena": "00" * 16, "buffers": [1, 2]}),
 ]]
 
 
