@@ -155,6 +155,9 @@ class GeePSClient:
             shard); 0 sends none. Defaults to 1.
         curve: a `keras_geeps.auth.ClientKeys` for shards that require
             CURVE. Defaults to None.
+        shared_memory: exchange rows with shards on this host through
+            shared memory (`keras_geeps.shm`) when the handshake succeeds.
+            Defaults to True unless `KERAS_GEEPS_SHM=0`.
 
     Example:
 
