@@ -42,6 +42,44 @@ void CopyElements(T* dst, const T* src, int64_t len, bool streaming) {
   }
 }
 
+// out = (srcs - snapshot) * scale over the layout, on the CPU worker pool:
+// PackDelta (scale 1) and PackDeltaInto. A float32 output of kStreamingBytes
+// or more is written with streaming stores (it is read by someone else).
+template <typename T>
+void SubtractSegments(OpKernelContext* ctx, const std::vector<const T*>& srcs,
+                      const std::vector<int64_t>& offsets, const T* snapshot,
+                      T* out, float scale) {
+  const bool streaming =
+      std::is_same<T, float>::value &&
+      offsets.back() * static_cast<int64_t>(sizeof(T)) >= kStreamingBytes;
+  const bool unscaled = scale == 1.0f;
+  const T scale_t = static_cast<T>(scale);
+  ParallelForBlocks(
+      ctx, offsets.back(), sizeof(T), [&](int64_t begin, int64_t end) {
+        ForEachSegmentPiece(
+            offsets, begin, end, [&](size_t s, int64_t from, int64_t to) {
+              const T* __restrict__ src = srcs[s] + (from - offsets[s]);
+              const T* __restrict__ old = snapshot + from;
+              T* __restrict__ dst = out + from;
+              const int64_t len = to - from;
+              if constexpr (std::is_same<T, float>::value) {
+                if (streaming) {
+                  StreamingSubtractScale(dst, src, old, len, scale);
+                  return;
+                }
+              }
+              if (unscaled) {
+                for (int64_t k = 0; k < len; ++k) dst[k] = src[k] - old[k];
+              } else {
+                for (int64_t k = 0; k < len; ++k) {
+                  dst[k] = static_cast<T>(src[k] - old[k]) * scale_t;
+                }
+              }
+            });
+        if (streaming) StreamingFence();
+      });
+}
+
 }  // namespace
 
 template <typename T>
@@ -50,29 +88,18 @@ struct PackSegments<CPUDevice, T> {
                           const std::vector<const T*>& srcs,
                           const std::vector<int64_t>& offsets,
                           const T* snapshot, T* out) {
+    if (snapshot != nullptr) {
+      SubtractSegments(ctx, srcs, offsets, snapshot, out, 1.0f);
+      return absl::OkStatus();
+    }
     const bool streaming =
         offsets.back() * static_cast<int64_t>(sizeof(T)) >= kStreamingBytes;
     ParallelForBlocks(
         ctx, offsets.back(), sizeof(T), [&](int64_t begin, int64_t end) {
           ForEachSegmentPiece(
               offsets, begin, end, [&](size_t s, int64_t from, int64_t to) {
-                const T* __restrict__ src = srcs[s] + (from - offsets[s]);
-                T* __restrict__ dst = out + from;
-                const int64_t len = to - from;
-                if (snapshot == nullptr) {
-                  CopyElements(dst, src, len, streaming);
-                  return;
-                }
-                const T* __restrict__ snap = snapshot + from;
-                if constexpr (std::is_same<T, float>::value) {
-                  if (streaming) {
-                    StreamingSubtractScale(dst, src, snap, len, 1.0f);
-                    return;
-                  }
-                }
-                for (int64_t k = 0; k < len; ++k) {
-                  dst[k] = src[k] - snap[k];
-                }
+                CopyElements(out + from, srcs[s] + (from - offsets[s]),
+                             to - from, streaming);
               });
           if (streaming) StreamingFence();
         });
@@ -306,10 +333,7 @@ class PackDeltaIntoOp : public OpKernel {
  public:
   explicit PackDeltaIntoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, LayoutOffsets(ctx, &offsets_));
-    float scale;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale));
-    scale_ = static_cast<T>(scale);
-    unscaled_ = scale == 1.0f;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -334,43 +358,12 @@ class PackDeltaIntoOp : public OpKernel {
     // `out` aliases caller memory.
     const T* snapshot = reinterpret_cast<const T*>(snap.tensor_data().data());
     T* dst_all = reinterpret_cast<T*>(const_cast<char*>(out.tensor_data().data()));
-    const T scale = scale_;
-    const bool unscaled = unscaled_;
-    const auto& offsets = offsets_;
-    const bool streaming = std::is_same<T, float>::value &&
-                           total * static_cast<int64_t>(sizeof(T)) >=
-                               kStreamingBytes;
-    ParallelForBlocks(
-        ctx, total, sizeof(T), [&](int64_t begin, int64_t end) {
-          functor::ForEachSegmentPiece(
-              offsets, begin, end, [&](size_t s, int64_t from, int64_t to) {
-                const T* __restrict__ src = srcs[s] + (from - offsets[s]);
-                const T* __restrict__ old = snapshot + from;
-                T* __restrict__ dst = dst_all + from;
-                const int64_t len = to - from;
-                if constexpr (std::is_same<T, float>::value) {
-                  if (streaming) {
-                    StreamingSubtractScale(dst, src, old, len,
-                                           static_cast<float>(scale));
-                    return;
-                  }
-                }
-                if (unscaled) {
-                  for (int64_t k = 0; k < len; ++k) dst[k] = src[k] - old[k];
-                } else {
-                  for (int64_t k = 0; k < len; ++k) {
-                    dst[k] = static_cast<T>(src[k] - old[k]) * scale;
-                  }
-                }
-              });
-          if (streaming) StreamingFence();
-        });
+    functor::SubtractSegments(ctx, srcs, offsets_, snapshot, dst_all, scale_);
   }
 
  private:
   std::vector<int64_t> offsets_;
-  T scale_;
-  bool unscaled_;
+  float scale_;
 };
 
 #define GEEPS_REGISTER_INTO(T)                               \
