@@ -600,16 +600,12 @@ class ShardServer:
                                f"reference, but shares no memory with this "
                                f"shard")
         try:
-            raw = peer.view(ref)
+            rows = peer.rows(ref, table.dtype, table.width)
         except ValueError as exc:
-            raise RequestError(f"worker {worker}: {exc}") from None
-        row_bytes = table.width * table.dtype.itemsize
-        if raw.nbytes % row_bytes or raw.ctypes.data % table.dtype.itemsize:
-            raise RequestError(f"worker {worker}: a reference of "
-                               f"{raw.nbytes} bytes is not whole rows of "
-                               f"table {table.id}")
-        self.stats["shm_bytes_in"] += raw.nbytes
-        return raw.view(table.dtype).reshape(-1, table.width)
+            raise RequestError(f"worker {worker}, table {table.id}: "
+                               f"{exc}") from None
+        self.stats["shm_bytes_in"] += rows.nbytes
+        return rows
 
     def _table_for(self, message):
         spec = {k: message.meta.get(k) for k in

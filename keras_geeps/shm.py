@@ -153,11 +153,15 @@ class Arena:
 
 
 class _Hold:
-    """Keeps a mapped region alive; its finalizer says when it is unused."""
+    """Keeps a mapped region alive; its finalizer says when it is unused.
+    `writable` sets numpy's writeable flag on views made from it."""
 
-    def __init__(self, array):
+    def __init__(self, array, writable=False):
         self.array = array
-        self.__array_interface__ = array.__array_interface__
+        interface = array.__array_interface__
+        if writable:
+            interface = dict(interface, data=(array.ctypes.data, False))
+        self.__array_interface__ = interface
 
 
 class PeerBuffers:
@@ -232,9 +236,8 @@ class PeerBuffers:
             ref: [buffer id, fd, offset, nbytes] from `SharedBuffer.ref`.
 
         Returns:
-            A uint8 numpy array whose base is a fresh holder object: the
-            region counts as in use until every view of it is gone (see
-            `hold`).
+            A read-only uint8 numpy array (see `hold` to learn when it and
+            its views are gone).
 
         Raises:
             ValueError: naming what is wrong with the reference.
@@ -275,10 +278,31 @@ class PeerBuffers:
         write through the alias faults instead of corrupting anything.
         The alias keeps `array` (and so its hold) alive.
         """
-        alias = _Hold(array)
-        alias.__array_interface__ = dict(array.__array_interface__,
-                                         data=(array.ctypes.data, False))
-        return np.asarray(alias)
+        return np.asarray(_Hold(array, writable=True))
+
+    def rows(self, ref, dtype, width, on_release=None):
+        """The (rows, width) array of `dtype` a wire reference names.
+
+        Args:
+            ref: [buffer id, fd, offset, nbytes] from `SharedBuffer.ref`.
+            dtype: the table's dtype.
+            width: the table's row width.
+            on_release: called once no view of the rows is left (see
+                `hold`). Defaults to None: not tracked.
+
+        Raises:
+            ValueError: naming what is wrong with the reference, or that it
+                does not name whole, aligned rows.
+        """
+        raw = self.view(ref)
+        dtype = np.dtype(dtype)
+        if raw.nbytes % (width * dtype.itemsize) or \
+                raw.ctypes.data % dtype.itemsize:
+            raise ValueError(f"a reference of {raw.nbytes} bytes is not "
+                             f"whole rows of {width} {dtype.name}")
+        if on_release is not None:
+            raw = self.hold(raw, on_release)
+        return raw.view(dtype).reshape(-1, width)
 
     @staticmethod
     def hold(array, on_release):

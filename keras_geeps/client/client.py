@@ -289,15 +289,10 @@ class GeePSClient:
         if peer is None:
             raise ValueError("it shares no memory with this worker")
         ref = message.meta["ref"]
-        raw = peer.view(ref)
-        row_bytes = table.width * table.dtype.itemsize
-        if raw.nbytes % row_bytes:
-            raise ValueError(f"a reference of {raw.nbytes} bytes is not "
-                             f"whole rows")
-        self.shm_bytes_in += raw.nbytes
-        held = peer.hold(raw, functools.partial(
+        rows = peer.rows(ref, table.dtype, table.width, functools.partial(
             self._releases.append, (shard, token, ref[0])))
-        return held.view(table.dtype).reshape(-1, table.width)
+        self.shm_bytes_in += rows.nbytes
+        return rows
 
     def _flush_releases(self):
         """Tells shards which of their buffers this worker let go of."""
