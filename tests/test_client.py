@@ -7,7 +7,7 @@ import pytest
 
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import GeePSTimeoutError
-from tests.worker_threads import run_worker_threads
+from tests.worker_threads import run_clients
 
 
 def test_partitioner_is_deterministic_and_balanced():
@@ -31,17 +31,6 @@ def test_cluster_spec_from_tf_config():
         ClusterSpec.from_tf_config({"cluster": {"worker": ["w:1"]}})
 
 
-def _run_workers(cluster, body, **client_kwargs):
-    def run(w):
-        with cluster.client(w, **client_kwargs) as client:
-            return body(client, w)
-
-    results, errors = run_worker_threads(cluster.num_workers, run)
-    if errors:
-        raise errors[0]
-    return results
-
-
 def test_bsp_sums_over_two_shards(thread_cluster):
     cluster = thread_cluster(2, 3)
     init = np.arange(700 * 100, dtype=np.float32).reshape(700, 100)
@@ -62,7 +51,7 @@ def test_bsp_sums_over_two_shards(thread_cluster):
             client.clock()
         return client.read(table, clock=6)
 
-    results = _run_workers(cluster, body)
+    results = run_clients(cluster, body)
     expected = init + sum((v + 1) * c for v in range(3) for c in range(6))
     for w in range(3):
         np.testing.assert_array_equal(results[w], expected)
@@ -109,7 +98,7 @@ def test_ssp_reads_within_bound_and_exact_age(thread_cluster):
             client.clock()
         return seen
 
-    results = _run_workers(cluster, body, slack=slack)
+    results = run_clients(cluster, body, slack=slack)
     for w, seen in results.items():
         for clk, age, value in seen:
             assert age >= clk - slack, (w, clk, age)
@@ -131,7 +120,7 @@ def test_read_my_writes(thread_cluster):
         fresh = client.read(table, clock=2 + 5)[0, 0]  # needs age 2
         return mine, fresh
 
-    results = _run_workers(cluster, body, slack=5, read_my_writes=True)
+    results = run_clients(cluster, body, slack=5, read_my_writes=True)
     assert results[0][0] == 1.0 and results[1][0] == 2.0
     # Both workers' clock-0 and clock-1 updates, never counted twice.
     assert results[0][1] == results[1][1] == 3.0 + 20.0

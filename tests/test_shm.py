@@ -108,17 +108,9 @@ def _bsp_rounds(client, w, rounds=6, shape=(700, 100)):
     return client.stats()
 
 
-def _run(cluster, body, kwargs_of=lambda w: {}):
-    from tests.worker_threads import run_worker_threads  # noqa: PLC0415
-
-    def run(w):
-        with cluster.client(w, timeout=20, **kwargs_of(w)) as client:
-            return body(client, w)
-
-    results, errors = run_worker_threads(cluster.num_workers, run)
-    if errors:
-        raise errors[0]
-    return results
+def _run(cluster, body, kwargs_of=None):
+    from tests.worker_threads import run_clients  # noqa: PLC0415
+    return run_clients(cluster, body, kwargs_of, timeout=20)
 
 
 def test_colocated_rows_and_updates_travel_through_shared_memory(
