@@ -378,6 +378,54 @@ def pack_delta_into(variables, layout, snapshot, out, scale=1.0):
                                sizes=list(layout.sizes), scale=float(scale))
 
 
+def pack_tensors_into(values, layout, out, scales):
+    """Writes tensors, each times its own scale, into the memory of `out`.
+
+    The counterpart of `pack_delta_into` for updates that are already
+    tensors: an optimizer's additive update captured in the train step goes
+    into a host buffer a co-located shard reads, in one multi-threaded pass
+    (the scale folds in the update's sign and the workers' averaging). CPU
+    tensors only; runs eagerly.
+
+    Args:
+        values: tensors in the layout's order (their sizes must match it).
+        layout: their `PackLayout`.
+        out: 1-D tensor of `layout.total_size` elements that aliases the
+            destination memory (as for `pack_delta_into`). Its memory is
+            overwritten.
+        scales: one float per segment (a list or a float32 tensor):
+            segment i is `values[i] * scales[i]`.
+
+    Example:
+
+    ```python
+    layout = PackLayout([(2,), (3,)])
+    target = np.zeros(5, np.float32)  # 64-byte aligned in practice
+    pack_tensors_into([tf.ones([2]), tf.fill([3], 2.0)], layout,
+                      tf.experimental.dlpack.from_dlpack(target.__dlpack__()),
+                      scales=[-1.0, 0.5])
+    target  # [-1, -1, 1, 1, 1]
+    ```
+    """
+    values = list(values)
+    _check_layout(values, layout)
+    scales = tf.reshape(tf.cast(scales, tf.float32), [-1])
+    if scales.shape[0] != len(layout):
+        raise ValueError(f"pack_tensors_into takes one scale per segment: "
+                         f"{scales.shape[0]} scales for {len(layout)} "
+                         f"segments")
+    if not tf.executing_eagerly():
+        raise ValueError("pack_tensors_into writes caller memory: call it "
+                         "eagerly (e.g. inside tf.py_function)")
+    values = [tf.convert_to_tensor(v, dtype=layout.dtype) for v in values]
+    for value in values:
+        if "CPU" not in value.device.upper():
+            raise ValueError(f"pack_tensors_into takes CPU tensors; one is "
+                             f"on {value.device}")
+    _gen.geeps_pack_tensors_into(values, scales, out,
+                                 sizes=list(layout.sizes))
+
+
 def _pack_grad(op, grad, resources, delta):
     """Gradient of a pack: the buffer's gradient split back per input."""
     sizes = op.get_attr("sizes")

@@ -550,3 +550,43 @@ def test_pack_delta_into_streams_large_float_updates(scale):
     # PackDelta streams its output too.
     np.testing.assert_array_equal(
         ops.pack(variables, layout, snapshot).numpy(), delta)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.float64])
+@pytest.mark.parametrize("shapes", [PACK_SHAPES, [(1000, 1100), (3,), (7, 33)]],
+                         ids=["small", "streamed"])
+def test_pack_tensors_into_writes_each_segment_times_its_scale(dtype, shapes):
+    """Small and >4 MB (streaming stores for float32) layouts, misaligned
+    destination, a scale per segment: the numpy product, bit for bit."""
+    rng = np.random.default_rng(7)
+    values = [tf.constant(rng.standard_normal(s), dtype=dtype) for s in shapes]
+    layout = ops.PackLayout(values)
+    scales = [(-1.0, 0.5, 1 / 3)[i % 3] for i in range(len(shapes))]
+    out = np.full(layout.total_size + 1, 7, dtype.as_numpy_dtype)[1:]
+    ops.pack_tensors_into(values, layout,
+                          tf.experimental.dlpack.from_dlpack(out.__dlpack__()),
+                          scales)
+    # Reference: scales are float32 attributes; float64 multiplies in
+    # float64, the others in float32 (as TensorFlow's half kernels do),
+    # then round to the dtype.
+    acc = np.float64 if dtype == tf.float64 else np.float32
+    want = np.concatenate([
+        (v.numpy().astype(acc) * acc(np.float32(s))).astype(dtype.as_numpy_dtype)
+        .reshape(-1) for v, s in zip(values, scales)])
+    np.testing.assert_array_equal(out, want)
+
+
+def test_pack_tensors_into_refuses_bad_calls():
+    values = [tf.zeros([2, 2]), tf.zeros([3])]
+    layout = ops.PackLayout(values)
+    out = tf.zeros([7])
+    with pytest.raises(ValueError, match="one scale per segment"):
+        ops.pack_tensors_into(values, layout, out, [1.0])
+    with pytest.raises(INVALID, match="out has shape"):
+        ops.pack_tensors_into(values, layout, tf.zeros([6]), [1.0, 1.0])
+    with pytest.raises(INVALID, match="layout gives it 3 elements"):
+        ops.pack_tensors_into([tf.zeros([2, 2]), tf.zeros([4])], layout, out,
+                              [1.0, 1.0])
+    with pytest.raises(ValueError, match="eagerly"):
+        tf.function(lambda: ops.pack_tensors_into(values, layout, out,
+                                                  [1.0, 1.0]))()

@@ -42,37 +42,52 @@ void CopyElements(T* dst, const T* src, int64_t len, bool streaming) {
   }
 }
 
-// out = (srcs - snapshot) * scale over the layout, on the CPU worker pool:
-// PackDelta (scale 1) and PackDeltaInto. A float32 output of kStreamingBytes
-// or more is written with streaming stores (it is read by someone else).
+// out = (srcs - snapshot) * scales[segment] over the layout, on the CPU
+// worker pool; without a snapshot, out = srcs * scales[segment]. Used by
+// PackDelta (scale 1), PackDeltaInto and PackTensorsInto. A float32 output
+// of kStreamingBytes or more is written with streaming stores (it is read by
+// someone else).
 template <typename T>
-void SubtractSegments(OpKernelContext* ctx, const std::vector<const T*>& srcs,
-                      const std::vector<int64_t>& offsets, const T* snapshot,
-                      T* out, float scale) {
+void ScaleSegments(OpKernelContext* ctx, const std::vector<const T*>& srcs,
+                   const std::vector<int64_t>& offsets, const T* snapshot,
+                   T* out, const std::vector<float>& scales) {
   const bool streaming =
       std::is_same<T, float>::value &&
       offsets.back() * static_cast<int64_t>(sizeof(T)) >= kStreamingBytes;
-  const bool unscaled = scale == 1.0f;
-  const T scale_t = static_cast<T>(scale);
   ParallelForBlocks(
       ctx, offsets.back(), sizeof(T), [&](int64_t begin, int64_t end) {
         ForEachSegmentPiece(
             offsets, begin, end, [&](size_t s, int64_t from, int64_t to) {
               const T* __restrict__ src = srcs[s] + (from - offsets[s]);
-              const T* __restrict__ old = snapshot + from;
+              const T* __restrict__ old =
+                  snapshot == nullptr ? nullptr : snapshot + from;
               T* __restrict__ dst = out + from;
               const int64_t len = to - from;
+              const float scale = scales[s];
               if constexpr (std::is_same<T, float>::value) {
                 if (streaming) {
-                  StreamingSubtractScale(dst, src, old, len, scale);
+                  if (old == nullptr) {
+                    StreamingScale(dst, src, len, scale);
+                  } else {
+                    StreamingSubtractScale(dst, src, old, len, scale);
+                  }
                   return;
                 }
               }
-              if (unscaled) {
+              // Half types scale in float, as TensorFlow's own kernels do.
+              using Acc = typename std::conditional<
+                  std::is_same<T, double>::value, double, float>::type;
+              const Acc scale_acc = static_cast<Acc>(scale);
+              if (old == nullptr) {
+                for (int64_t k = 0; k < len; ++k) {
+                  dst[k] = static_cast<T>(static_cast<Acc>(src[k]) * scale_acc);
+                }
+              } else if (scale == 1.0f) {
                 for (int64_t k = 0; k < len; ++k) dst[k] = src[k] - old[k];
               } else {
                 for (int64_t k = 0; k < len; ++k) {
-                  dst[k] = static_cast<T>(src[k] - old[k]) * scale_t;
+                  const T delta = src[k] - old[k];
+                  dst[k] = static_cast<T>(static_cast<Acc>(delta) * scale_acc);
                 }
               }
             });
@@ -89,7 +104,8 @@ struct PackSegments<CPUDevice, T> {
                           const std::vector<int64_t>& offsets,
                           const T* snapshot, T* out) {
     if (snapshot != nullptr) {
-      SubtractSegments(ctx, srcs, offsets, snapshot, out, 1.0f);
+      ScaleSegments(ctx, srcs, offsets, snapshot, out,
+                    std::vector<float>(offsets.size() - 1, 1.0f));
       return absl::OkStatus();
     }
     const bool streaming =
@@ -325,6 +341,20 @@ class UnpackOp : public OpKernel {
   bool add_;
 };
 
+// The elements of a tensor that may come from DLPack: tensor_data(), not
+// flat<T>(), since such memory need not have Eigen's 64-byte alignment.
+template <typename T>
+const T* Elements(const Tensor& tensor) {
+  return reinterpret_cast<const T*>(tensor.tensor_data().data());
+}
+
+// The memory of `out`, an input that aliases caller memory (DLPack): the
+// *Into ops write it by contract.
+template <typename T>
+T* CallerMemory(const Tensor& out) {
+  return const_cast<T*>(Elements<T>(out));
+}
+
 // PackDeltaInto: (variables - snapshot) * scale written into `out`'s memory,
 // which the caller owns (a host buffer shared with a co-located shard, seen
 // by TensorFlow through DLPack). CPU only: the buffer is host memory.
@@ -353,12 +383,8 @@ class PackDeltaIntoOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckLayoutVariables<T>(vars, offsets_));
     std::vector<const T*> srcs(n);
     for (int i = 0; i < n; ++i) srcs[i] = vars[i]->tensor()->flat<T>().data();
-    // tensor_data(), not flat<T>(): memory from DLPack need not have
-    // Eigen's 64-byte alignment. Writing an input is this op's contract:
-    // `out` aliases caller memory.
-    const T* snapshot = reinterpret_cast<const T*>(snap.tensor_data().data());
-    T* dst_all = reinterpret_cast<T*>(const_cast<char*>(out.tensor_data().data()));
-    functor::SubtractSegments(ctx, srcs, offsets_, snapshot, dst_all, scale_);
+    functor::ScaleSegments(ctx, srcs, offsets_, Elements<T>(snap),
+                           CallerMemory<T>(out), std::vector<float>(n, scale_));
   }
 
  private:
@@ -376,6 +402,58 @@ GEEPS_REGISTER_INTO(Eigen::half)
 GEEPS_REGISTER_INTO(bfloat16)
 GEEPS_REGISTER_INTO(double)
 #undef GEEPS_REGISTER_INTO
+
+// PackTensorsInto: N tensors, segment i times scales[i], written into `out`'s
+// memory (as PackDeltaInto). A worker's captured optimizer update goes
+// straight into memory a co-located shard reads. CPU only.
+template <typename T>
+class PackTensorsIntoOp : public OpKernel {
+ public:
+  explicit PackTensorsIntoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, LayoutOffsets(ctx, &offsets_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int n = static_cast<int>(offsets_.size()) - 1;
+    OP_REQUIRES(ctx, ctx->num_inputs() == n + 2,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "the layout has ", n, " sizes but ", ctx->num_inputs() - 2,
+                    " tensors were given")));
+    const Tensor& scales = ctx->input(n);
+    OP_REQUIRES(ctx,
+                TensorShapeUtils::IsVector(scales.shape()) &&
+                    scales.NumElements() == n,
+                absl::InvalidArgumentError(absl::StrCat(
+                    "scales has shape ", scales.shape().DebugString(),
+                    ", the layout has ", n, " segments")));
+    const Tensor& out = ctx->input(n + 1);
+    OP_REQUIRES_OK(ctx, CheckBuffer(out, "out", offsets_.back()));
+    std::vector<const T*> srcs(n);
+    for (int i = 0; i < n; ++i) {
+      OP_REQUIRES_OK(ctx, CheckSegmentSize(i, ctx->input(i).shape(), offsets_));
+      srcs[i] = Elements<T>(ctx->input(i));
+    }
+    const auto scale_values = scales.flat<float>();
+    functor::ScaleSegments<T>(
+        ctx, srcs, offsets_, nullptr, CallerMemory<T>(out),
+        std::vector<float>(scale_values.data(), scale_values.data() + n));
+  }
+
+ private:
+  std::vector<int64_t> offsets_;
+};
+
+#define GEEPS_REGISTER_TENSORS_INTO(T)                       \
+  REGISTER_KERNEL_BUILDER(Name("Geeps>PackTensorsInto")      \
+                              .Device(DEVICE_CPU)            \
+                              .HostMemory("scales")          \
+                              .TypeConstraint<T>("dtype"),   \
+                          PackTensorsIntoOp<T>);
+GEEPS_REGISTER_TENSORS_INTO(float)
+GEEPS_REGISTER_TENSORS_INTO(Eigen::half)
+GEEPS_REGISTER_TENSORS_INTO(bfloat16)
+GEEPS_REGISTER_TENSORS_INTO(double)
+#undef GEEPS_REGISTER_TENSORS_INTO
 
 }  // namespace
 

@@ -55,6 +55,13 @@ absl::Status CheckSegment(InferenceContext* c, int i, ShapeHandle shape,
   return absl::OkStatus();
 }
 
+// Checks that input i is a vector of `length` elements, as far as known.
+absl::Status CheckVectorInput(InferenceContext* c, int i, int64_t length) {
+  ShapeHandle vector;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 1, &vector));
+  return c->Merge(vector, c->Vector(length), &vector);
+}
+
 // Shape function shared by the four pack ops. The N values (resource handles
 // or tensors) come first; a snapshot, when `delta`, follows them.
 absl::Status PackShape(InferenceContext* c, bool resources, bool delta) {
@@ -147,9 +154,7 @@ REGISTER_OP("Geeps>Unpack")
       std::vector<int64_t> sizes;
       int64_t total;
       TF_RETURN_IF_ERROR(LayoutSizes(c, &sizes, &total));
-      ShapeHandle buffer;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &buffer));
-      TF_RETURN_IF_ERROR(c->Merge(buffer, c->Vector(total), &buffer));
+      TF_RETURN_IF_ERROR(CheckVectorInput(c, 0, total));
       for (int i = 1; i < c->num_inputs(); ++i) {
         ShapeHandle unused;
         TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
@@ -172,17 +177,38 @@ REGISTER_OP("Geeps>PackDeltaInto")
       int64_t total;
       TF_RETURN_IF_ERROR(LayoutSizes(c, &sizes, &total));
       const int n = static_cast<int>(sizes.size());
-      for (int i = 0; i < 2; ++i) {
-        ShapeHandle buffer;
-        TF_RETURN_IF_ERROR(c->WithRank(c->input(n + i), 1, &buffer));
-        TF_RETURN_IF_ERROR(c->Merge(buffer, c->Vector(total), &buffer));
-      }
-      return absl::OkStatus();
+      TF_RETURN_IF_ERROR(CheckVectorInput(c, n, total));      // snapshot
+      return CheckVectorInput(c, n + 1, total);                // out
     })
     .Doc(R"doc(
 Writes (N resource variables - snapshot) * scale into the memory of `out`,
 a host buffer the caller owns and shares with TensorFlow (CPU only). Lets a
 worker put its update straight into memory a co-located shard reads.
+)doc");
+
+REGISTER_OP("Geeps>PackTensorsInto")
+    .Input("values: N * dtype")
+    .Input("scales: float")
+    .Input("out: dtype")
+    .GEEPS_PACK_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> sizes;
+      int64_t total;
+      TF_RETURN_IF_ERROR(LayoutSizes(c, &sizes, &total));
+      const int n = static_cast<int>(sizes.size());
+      for (int i = 0; i < n; ++i) {
+        TF_RETURN_IF_ERROR(CheckSegment(c, i, c->input(i), sizes[i]));
+      }
+      TF_RETURN_IF_ERROR(CheckVectorInput(c, n, n));          // scales
+      return CheckVectorInput(c, n + 1, total);                // out
+    })
+    .Doc(R"doc(
+Writes N tensors, segment i times scales[i], into the memory of `out`, a host
+buffer the caller owns and shares with TensorFlow (CPU only). Lets a worker
+put an optimizer's captured update straight into memory a co-located shard
+reads. The scales are an input, not an attribute: a learning rate folded
+into them changes every step.
 )doc");
 
 #undef GEEPS_PACK_ATTRS
