@@ -61,11 +61,21 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             `layerwise_trainer()`, which keeps what does not fit in host
             memory and stages it in as needed (README, "Memory
             management"). Defaults to None: all of the device's memory.
+        capture_updates: under BSP (slack 0), take each CPU layer's update
+            from the optimizer (`Optimizer.assign_add` / `assign_sub`, which
+            Keras' built-in optimizers use) and write it straight into the
+            upload buffer instead of into the variables, which the next
+            pull replaces anyway: three passes over the model fewer per
+            step. Updates that need the written variable within the step
+            (moving averages, constraints, gradient accumulation, weight
+            decay, sparse updates) are applied as usual. The variables then
+            trail the shards by the last step until a pull; `fit` pulls on
+            its way out. Defaults to True.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",
                  timeout=120.0, device=None, client=None, curve=None,
-                 device_memory_budget=None):
+                 device_memory_budget=None, capture_updates=True):
         if client is None:
             client = GeePSClient(cluster or ClusterSpec.from_env(),
                                  slack=slack, timeout=timeout, curve=curve)
@@ -73,7 +83,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")
         self.client = client
-        self.parameter_sync = ParameterSync(client, update_mode)
+        self.parameter_sync = ParameterSync(client, update_mode,
+                                            capture_updates=capture_updates)
         self.device_memory_budget = device_memory_budget
         self._device = device
         self._memory = None  # the LayerwiseTrainer, once created
@@ -250,6 +261,10 @@ class _BudgetGuard:
                 "step holds every layer on the device): train with "
                 "strategy.layerwise_trainer(...).train_step")
         self.sync.note_update(variable)
+
+    @staticmethod
+    def update_capture(variable):
+        return None  # the layerwise trainer updates variables itself
 
     def wrap_step(self, call, is_train_step=False):
         memory = self.strategy._memory

@@ -7,7 +7,8 @@ assigns it into the variables with one `unpack` op), runs the step with its
 own optimizer, and *pushes* the step's additive update (one `pack` op
 computing `value - snapshot`), then clocks the table. Pushes are issued in
 reverse layer order so the last layers' updates leave while the earlier
-layers are still in backprop.
+layers are still in backprop. Under BSP the update is instead taken from the
+optimizer before it reaches the variables (`capture.UpdateCapture`).
 
 The pulls and pushes are `tf.py_function`s placed in the compiled train step
 itself, so they run at every step, `steps_per_execution` included.
@@ -17,12 +18,14 @@ import functools
 import threading
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_geeps import ops
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
+from keras_geeps.keras.capture import UpdateCapture
 
 MAX_ROW_WIDTH = 1024  # elements per row, at most
 # Layers smaller than this leave with the next layer's push (one
@@ -102,14 +105,27 @@ class LayerTable:
         self.snapshot_stale = False  # variables changed since the snapshot
         self.pulled_ages = None
         self.on_cpu = all("CPU" in v.device.upper() for v in variables)
+        self.behind = False  # a captured update is not in the variables
         self._buffers = [_aligned_empty(layout.total_size,
                                         table.dtype) for _ in range(2)]
         self._next = 0
+        self._uploads = None
+        self._next_upload = 0
 
     def next_buffer(self):
         buffer = self._buffers[self._next]
         self._next ^= 1
         return buffer
+
+    def next_upload(self):
+        """A host buffer for a captured update (when no shard lends one)."""
+        if self._uploads is None:
+            self._uploads = [_aligned_empty(self.layout.total_size,
+                                            self.table.dtype)
+                             for _ in range(2)]
+        buffer = self._uploads[self._next_upload]
+        self._next_upload ^= 1
+        return buffer.reshape(self.table.rows, self.table.width)
 
 
 class ParameterSync:
@@ -122,10 +138,13 @@ class ParameterSync:
             under plain SGD behave like one worker with batch N * B;
             "sum" adds the updates as they are.
         max_row_width: widest table row. Defaults to 1024.
+        capture_updates: under BSP, push CPU layers' updates taken from the
+            optimizer rather than measured on the variables (see
+            `keras_geeps.keras.capture`). Defaults to True.
     """
 
     def __init__(self, client, update_mode="average",
-                 max_row_width=MAX_ROW_WIDTH):
+                 max_row_width=MAX_ROW_WIDTH, capture_updates=True):
         if update_mode not in ("average", "sum"):
             raise ValueError(f"update_mode must be 'average' or 'sum', not "
                              f"{update_mode!r}")
@@ -137,6 +156,12 @@ class ParameterSync:
         self.tables = []
         self._candidates = []
         self._updated = None
+        self.capture_updates = capture_updates
+        self._capture = None       # the UpdateCapture of the step traced now
+        self._in_step = False      # a step is being traced
+        self.captured_layers = []  # layers the last train step captures
+        if capture_updates:
+            _tf_hooks.install_update_capture(self)
         self.lock = threading.Lock()
         self.pull_wait_seconds = 0.0
         self.pull_seconds = 0.0
@@ -159,6 +184,12 @@ class ParameterSync:
         if self._updated is not None:
             self._updated.add(id(variable))
 
+    def update_capture(self, variable):
+        """The capture that may take `variable`'s optimizer update, or None."""
+        if self._capture is None:
+            return None
+        return self._capture.expect(variable)
+
     def wrap_step(self, call, is_train_step=False):
         """Runs `call` (one step) between pulls and pushes of the tables."""
         if _tf_hooks.in_xla_context():
@@ -166,6 +197,10 @@ class ParameterSync:
                 "GeePSStrategy cannot run inside an XLA-compiled function: "
                 "compile the model with jit_compile=False (Keras turns XLA on "
                 "by default when a GPU is visible)")
+        if self._in_step:
+            # A step's own nested call_for_each_replica (LossScaleOptimizer
+            # applies its inner optimizer through one): already wrapped.
+            return call()
         if not self.built and self._candidates:
             with tf.init_scope():
                 self.build()
@@ -176,12 +211,22 @@ class ParameterSync:
         pulls = [tf.py_function(self._pull_all_op, [], tf.bool,
                                 name="geeps_pull")]
         outer, self._updated = self._updated, set()
+        outer_capture = self._capture
+        self._capture = self._new_capture(is_train_step)
+        self._in_step = True
         try:
             with tf.control_dependencies(pulls):
                 result = call()
             updated = self._updated
+            captured = {}
+            if self._capture is not None:
+                captured = self._capture.finish(self.tables)
+                self.captured_layers = [self.tables[i].name
+                                        for i in sorted(captured)]
         finally:
+            self._in_step = False
             self._updated = outer
+            self._capture = outer_capture
         if is_train_step and not updated:
             raise GeePSError(
                 "the train step updated no parameter table through the "
@@ -198,19 +243,35 @@ class ParameterSync:
             group.append(i)
             group_bytes += layer.table.nbytes
             if group_bytes >= MIN_PUSH_BYTES or i == 0:
-                self._push_after_updates(group)
+                self._push_after_updates(group, captured)
                 group, group_bytes = [], 0
         if group:
-            self._push_after_updates(group)
+            self._push_after_updates(group, captured)
         return result
 
-    def _push_after_updates(self, indices):
-        # Reading the variables orders the push after their updates.
-        reads = [v.read_value() for i in indices
+    def _new_capture(self, is_train_step):
+        if not (is_train_step and self.capture_updates
+                and self.client.slack == 0):
+            return None
+        variables = [v for layer in self.tables if layer.on_cpu
+                     for v in layer.variables]
+        if not variables:
+            return None
+        return UpdateCapture(tf.compat.v1.get_default_graph(), variables)
+
+    def _push_after_updates(self, indices, captured):
+        # Captured updates are the push's inputs; reading the other
+        # variables orders the push after their updates.
+        reads = [v.read_value() for i in indices if i not in captured
                  for v in self.tables[i].variables]
+        tensors, signs = [], {}
+        for i in indices:
+            if i in captured:
+                values, signs[i], factors = captured[i]
+                tensors += values + factors
         with tf.control_dependencies(reads):
-            tf.py_function(functools.partial(self._push_op, indices), [],
-                           tf.bool, name=f"geeps_push_{indices[-1]}")
+            tf.py_function(functools.partial(self._push_op, indices, signs),
+                           tensors, tf.bool, name=f"geeps_push_{indices[-1]}")
 
     # ------------------------------------------------------------ tables
     def build(self):
@@ -290,6 +351,7 @@ class ParameterSync:
                                                            table.width))
         buffer = buffer.reshape(-1)
         layer.pulled_ages = tuple(table.last_read_ages)
+        layer.behind = False
         self.max_staleness = max(self.max_staleness,
                                  table.clock - table.last_read_age)
         snapshot = as_tensor(buffer)
@@ -305,12 +367,29 @@ class ParameterSync:
             self.pull(index)
         return True
 
-    def _push_op(self, indices):
+    def _push_op(self, indices, signs=None, *tensors):
+        position = 0
         for index in indices:
-            self.push(index)
+            update = None
+            if signs and index in signs:
+                count = len(signs[index])
+                update = (tensors[position:position + count], signs[index],
+                          tensors[position + count:position + 2 * count])
+                position += 2 * count
+            self.push(index, update=update)
         return True
 
-    def push(self, index, values=None):
+    def catch_up(self, variables):
+        """Pulls the layers among `variables` whose captured last update is
+        not in their variables yet (`fit` calls this on its way out)."""
+        wanted = {id(v._value if isinstance(v, keras.Variable) else v)
+                  for v in variables}
+        for index, layer in enumerate(self.tables):
+            if layer.behind and any(id(v) in wanted
+                                    for v in layer.variables):
+                self.pull(index)
+
+    def push(self, index, values=None, update=None):
         """Sends the step's update of table `index` and clocks it.
 
         Args:
@@ -318,15 +397,28 @@ class ParameterSync:
             values: the table's current values, in layout order, when they
                 are not in its variables (the memory manager's host
                 copies). Defaults to None: the variables.
+            update: (tensors, signs, factors): the optimizer's update of
+                each variable, captured instead of applied (the update is
+                `sign * factor * tensor`). Defaults to None: measured as
+                the variables minus their snapshot.
         """
         started = time.perf_counter()
         layer = self.tables[index]
         table = layer.table
         target = None
-        if values is None and layer.snapshot is not None and layer.on_cpu:
+        if update is not None or (values is None and layer.snapshot is not None
+                                  and layer.on_cpu):
             with self.lock:  # memory a co-located shard reads, if any
                 target = self.client.update_target(table)
-        if target is not None:
+        if update is not None:
+            tensors, signs, factors = update
+            rows = layer.next_upload() if target is None else target
+            ops.pack_tensors_into(
+                tensors, layer.layout, as_tensor(rows.reshape(-1)),
+                [sign * self.scale * float(factor)
+                 for sign, factor in zip(signs, factors)])
+            layer.behind = True
+        elif target is not None:
             ops.pack_delta_into(layer.variables, layer.layout,
                                 layer.snapshot, as_tensor(target.reshape(-1)),
                                 scale=self.scale)
@@ -364,5 +456,6 @@ class ParameterSync:
                        pull_seconds=self.pull_seconds,
                        push_seconds=self.push_seconds, steps=self.steps,
                        max_staleness=self.max_staleness,
-                       tables=len(self.tables))
+                       tables=len(self.tables),
+                       captured_tables=len(self.captured_layers))
         return figures

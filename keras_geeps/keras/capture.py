@@ -1,0 +1,161 @@
+"""Takes a train step's optimizer updates before they reach the variables.
+
+Under BSP every step replaces the variables with fresh rows from the
+shards, so writing the optimizer's update into a variable only to measure
+`variable - snapshot` afterwards costs three passes over the model that
+nobody needs. Keras' built-in optimizers write every parameter through
+`Optimizer.assign_add` / `assign_sub`; while a step is traced, those calls
+are offered to an `UpdateCapture`, which keeps the update tensor instead,
+and the push writes it (scaled) straight into the shard's upload buffer.
+
+Anything that needs the written variable within the step refuses the
+offer, and the update is applied as usual: a moving average (`use_ema`),
+gradient accumulation, a constraint, an update under a condition (a loss
+scale optimizer), a sparse update, or a variable already written directly
+earlier in the step (weight decay). A layer is captured only when every one
+of its variables was; the captured updates of a layer that is not are
+applied at the end of the step, before its push measures the change.
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_geeps.errors import GeePSError
+from keras_geeps.keras import _tf_hooks
+
+
+class UpdateCapture:
+    """The captured optimizer updates of one traced train step.
+
+    Args:
+        graph: the graph the step is traced into.
+        variables: the tf.Variables whose updates may be captured.
+
+    Example:
+
+    ```python
+    capture = UpdateCapture(tf.compat.v1.get_default_graph(), variables)
+    # ... the step is traced; `_tf_hooks.capturing(capture.expect(var))`
+    # wraps each variable's optimizer update ...
+    captured = capture.finish(layers)  # {index: (tensors, signs, factors)}
+    ```
+    """
+
+    def __init__(self, graph, variables):
+        self.graph = graph
+        self.start = len(graph.get_operations())
+        self.variables = {id(v): v for v in variables}
+        self.handles = {id(v.handle) for v in variables}
+        self.current = None    # the variable being updated now
+        self.updates = {}      # id(variable) -> [(value, sign)]
+        self.refused = {}      # id(variable) -> why
+        self._scanned = self.start
+        self._written = set()  # id(handle) written directly so far
+
+    def expect(self, variable):
+        """This capture, primed for `variable`'s update (None when the
+        variable is not one it may capture)."""
+        if id(variable) not in self.variables:
+            return None
+        self.current = variable
+        return self
+
+    def offer(self, optimizer, variable, value, sign):
+        """Keeps `sign * value` as `variable`'s update; False if refused."""
+        if isinstance(variable, keras.Variable):
+            variable = variable._value  # its tf.Variable
+        if variable is not self.current:
+            return False
+        reason = self._refusal(optimizer, variable, value)
+        if reason is not None:
+            self.refused[id(variable)] = reason
+            return False
+        value = tf.cast(value, variable.dtype)
+        self.updates.setdefault(id(variable), []).append(
+            _split_scalar_factor(value, sign))
+        return True
+
+    def _refusal(self, optimizer, variable, value):
+        if isinstance(value, tf.IndexedSlices):
+            return "a sparse update"
+        if tf.compat.v1.get_default_graph() is not self.graph:
+            return "an update under a condition or loop"
+        if not tf.TensorShape(value.shape).is_compatible_with(variable.shape) \
+                or not value.shape.is_fully_defined() \
+                or value.shape != variable.shape:
+            return "an update whose shape is not the variable's"
+        reason = _tf_hooks.optimizer_refuses_capture(optimizer, variable)
+        if reason is not None:
+            return reason
+        count = len(self.graph.get_operations())
+        self._written |= _tf_hooks.ops_writing(self.graph, self.handles,
+                                               self._scanned)
+        self._scanned = count
+        if id(variable.handle) in self._written:
+            return "the variable was written directly earlier in the step"
+        return None
+
+    def finish(self, layers):
+        """Decides, after the step is traced, which layers were captured.
+
+        Args:
+            layers: the `LayerTable`s, in table order.
+
+        Returns:
+            {layer index: (tensors, signs, factors)}, the update of
+            variable i being `signs[i] * factors[i] * tensors[i]` (factors
+            are float32 scalars), for every layer whose variables all had
+            their updates captured and written nowhere else. Other layers'
+            captured updates are applied to their variables here (the
+            step's last writes to them).
+
+        Raises:
+            GeePSError: a captured variable is also written by another op
+                of the step (its update could not be placed in order).
+        """
+        written = _tf_hooks.ops_writing(self.graph, self.handles, self.start)
+        captured = {}
+        for index, layer in enumerate(layers):
+            kept = [self.updates.get(id(v)) for v in layer.variables]
+            for variable, updates in zip(layer.variables, kept):
+                if updates and id(variable.handle) in written:
+                    raise GeePSError(
+                        f"{variable.name}: the optimizer's update was "
+                        f"captured, but another op of the step also writes "
+                        f"the variable; create the strategy with "
+                        f"capture_updates=False")
+            if all(kept):
+                combined = [_combine(updates) for updates in kept]
+                captured[index] = tuple(list(part) for part in zip(*combined))
+                continue
+            for variable, updates in zip(layer.variables, kept):
+                if updates:
+                    value, sign, factor = _combine(updates)
+                    variable.assign_add(
+                        value * tf.cast(sign * factor, variable.dtype))
+        return captured
+
+
+def _split_scalar_factor(value, sign):
+    """(tensor, sign, float32 factor) with `sign * factor * tensor == sign *
+    value`. SGD's update is `gradient * learning_rate`: handing the push the
+    gradient and the rate lets the product fold into the push's own pass,
+    and TensorFlow prunes the unused multiplication (two passes over the
+    layer fewer)."""
+    op = value.op
+    if op.type == "Mul" and len(op.inputs) == 2:
+        a, b = op.inputs
+        for tensor, scalar in ((a, b), (b, a)):
+            if scalar.shape.rank == 0 and tensor.shape == value.shape \
+                    and tensor.dtype == value.dtype:
+                return tensor, sign, tf.cast(scalar, tf.float32)
+    return value, sign, tf.constant(1.0, tf.float32)
+
+
+def _combine(updates):
+    """One (tensor, sign, factor) for a variable's captured updates."""
+    if len(updates) == 1:
+        return updates[0]
+    total = tf.add_n([tensor * tf.cast(sign * factor, tensor.dtype)
+                      for tensor, sign, factor in updates])
+    return total, 1.0, tf.constant(1.0, tf.float32)
