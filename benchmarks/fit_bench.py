@@ -3,7 +3,9 @@
 For a ~1 M and a ~10 M parameter MLP (synthetic 784-feature inputs: this
 measures throughput, not accuracy), one run measures
   - plain single-process `model.fit` (no strategy),
-  - GeePS with 1 worker + 1 shard (BSP),
+  - GeePS with 1 worker + 1 shard (BSP), with the optimizer's updates
+    captured (the default) and measured on the variables
+    (`capture_updates=False`),
   - GeePS with 2 workers x 2 shards, BSP and SSP (slack 1),
 each as its own process(es), timing the second epoch (the first traces and
 warms up). Per-step time waiting for parameters comes from the strategy.
@@ -57,7 +59,9 @@ def worker_main(args):
             worker = ClusterSpec.from_env().worker_id
             curve = ClientKeys(f"{args.curve_dir}/worker{worker}.key_secret",
                                f"{args.curve_dir}/shard.key")
-        strategy = keras_geeps.GeePSStrategy(slack=args.slack, curve=curve)
+        strategy = keras_geeps.GeePSStrategy(
+            slack=args.slack, curve=curve,
+            capture_updates=not args.no_capture)
     workers = strategy.num_workers if strategy else 1
     rng = np.random.default_rng(0)
     x = rng.random((args.steps * args.batch * workers, 784), np.float32)
@@ -134,7 +138,7 @@ def cluster_images_per_s(figures):
 
 
 def run_config(args, model, workers=0, shards=0, slack=0, shard_args=(),
-               curve_dir=""):
+               curve_dir="", worker_args=()):
     """Runs one configuration; returns the workers' figures."""
     from keras_geeps.launch import launch  # noqa: PLC0415
     with tempfile.TemporaryDirectory() as out:
@@ -144,6 +148,7 @@ def run_config(args, model, workers=0, shards=0, slack=0, shard_args=(),
                    str(args.steps_per_execution), "--slack", str(slack)]
         if curve_dir:
             command += ["--curve-dir", curve_dir]
+        command += list(worker_args)
         if workers:
             log = io.StringIO()
             code = launch(command + ["--geeps"], num_workers=workers,
@@ -172,6 +177,8 @@ def main():
                         help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--curve-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--no-capture", action="store_true",
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker_main(args)
@@ -180,6 +187,8 @@ def main():
     for model in args.models:
         plain = run_config(args, model)[0]
         one = run_config(args, model, 1, 1)[0]
+        measured = run_config(args, model, 1, 1,
+                              worker_args=["--no-capture"])[0]
         bsp = run_config(args, model, 2, 2, slack=0)
         ssp = run_config(args, model, 2, 2, slack=1)
         row = {
@@ -188,6 +197,8 @@ def main():
             "one_worker_images_per_s": round(one["images_per_s"], 1),
             "one_worker_vs_plain": round(one["images_per_s"]
                                          / plain["images_per_s"], 3),
+            "one_worker_uncaptured_vs_plain": round(
+                measured["images_per_s"] / plain["images_per_s"], 3),
             "one_worker_wait_ms_per_step": round(one["wait_ms_per_step"], 2),
             "one_worker_sync_ms_per_step": round(one["sync_ms_per_step"], 2),
             "bsp_2x2_images_per_s": round(cluster_images_per_s(bsp), 1),

@@ -37,7 +37,7 @@ class UpdateCapture:
     capture = UpdateCapture(tf.compat.v1.get_default_graph(), variables)
     # ... the step is traced; `_tf_hooks.capturing(capture.expect(var))`
     # wraps each variable's optimizer update ...
-    captured = capture.finish(layers)  # {index: (tensors, signs, factors)}
+    captured = capture.finish(layers)  # {layer index: (tensors, signs)}
     ```
     """
 
@@ -71,8 +71,7 @@ class UpdateCapture:
             self.refused[id(variable)] = reason
             return False
         value = tf.cast(value, variable.dtype)
-        self.updates.setdefault(id(variable), []).append(
-            _split_scalar_factor(value, sign))
+        self.updates.setdefault(id(variable), []).append((value, sign))
         return True
 
     def _refusal(self, optimizer, variable, value):
@@ -102,12 +101,11 @@ class UpdateCapture:
             layers: the `LayerTable`s, in table order.
 
         Returns:
-            {layer index: (tensors, signs, factors)}, the update of
-            variable i being `signs[i] * factors[i] * tensors[i]` (factors
-            are float32 scalars), for every layer whose variables all had
-            their updates captured and written nowhere else. Other layers'
-            captured updates are applied to their variables here (the
-            step's last writes to them).
+            {layer index: (tensors, signs)}, the update of variable i being
+            `signs[i] * tensors[i]`, for every layer whose variables all
+            had their updates captured and written nowhere else. Other
+            layers' captured updates are applied to their variables here
+            (the step's last writes to them).
 
         Raises:
             GeePSError: a captured variable is also written by another op
@@ -130,32 +128,17 @@ class UpdateCapture:
                 continue
             for variable, updates in zip(layer.variables, kept):
                 if updates:
-                    value, sign, factor = _combine(updates)
-                    variable.assign_add(
-                        value * tf.cast(sign * factor, variable.dtype))
+                    value, sign = _combine(updates)
+                    if sign > 0:
+                        variable.assign_add(value)
+                    else:
+                        variable.assign_sub(value)
         return captured
 
 
-def _split_scalar_factor(value, sign):
-    """(tensor, sign, float32 factor) with `sign * factor * tensor == sign *
-    value`. SGD's update is `gradient * learning_rate`: handing the push the
-    gradient and the rate lets the product fold into the push's own pass,
-    and TensorFlow prunes the unused multiplication (two passes over the
-    layer fewer)."""
-    op = value.op
-    if op.type == "Mul" and len(op.inputs) == 2:
-        a, b = op.inputs
-        for tensor, scalar in ((a, b), (b, a)):
-            if scalar.shape.rank == 0 and tensor.shape == value.shape \
-                    and tensor.dtype == value.dtype:
-                return tensor, sign, tf.cast(scalar, tf.float32)
-    return value, sign, tf.constant(1.0, tf.float32)
-
-
 def _combine(updates):
-    """One (tensor, sign, factor) for a variable's captured updates."""
+    """One (tensor, sign) for a variable's list of captured updates."""
     if len(updates) == 1:
         return updates[0]
-    total = tf.add_n([tensor * tf.cast(sign * factor, tensor.dtype)
-                      for tensor, sign, factor in updates])
-    return total, 1.0, tf.constant(1.0, tf.float32)
+    return tf.add_n([value if sign > 0 else -value
+                     for value, sign in updates]), 1.0

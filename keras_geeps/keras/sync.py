@@ -267,8 +267,8 @@ class ParameterSync:
         tensors, signs = [], {}
         for i in indices:
             if i in captured:
-                values, signs[i], factors = captured[i]
-                tensors += values + factors
+                values, signs[i] = captured[i]
+                tensors += values
         with tf.control_dependencies(reads):
             tf.py_function(functools.partial(self._push_op, indices, signs),
                            tensors, tf.bool, name=f"geeps_push_{indices[-1]}")
@@ -373,9 +373,8 @@ class ParameterSync:
             update = None
             if signs and index in signs:
                 count = len(signs[index])
-                update = (tensors[position:position + count], signs[index],
-                          tensors[position + count:position + 2 * count])
-                position += 2 * count
+                update = (tensors[position:position + count], signs[index])
+                position += count
             self.push(index, update=update)
         return True
 
@@ -397,10 +396,10 @@ class ParameterSync:
             values: the table's current values, in layout order, when they
                 are not in its variables (the memory manager's host
                 copies). Defaults to None: the variables.
-            update: (tensors, signs, factors): the optimizer's update of
-                each variable, captured instead of applied (the update is
-                `sign * factor * tensor`). Defaults to None: measured as
-                the variables minus their snapshot.
+            update: (tensors, signs): the optimizer's update of each
+                variable, captured instead of applied (the update is
+                `sign * tensor`). Defaults to None: measured as the
+                variables minus their snapshot.
         """
         started = time.perf_counter()
         layer = self.tables[index]
@@ -411,12 +410,11 @@ class ParameterSync:
             with self.lock:  # memory a co-located shard reads, if any
                 target = self.client.update_target(table)
         if update is not None:
-            tensors, signs, factors = update
+            tensors, signs = update
             rows = layer.next_upload() if target is None else target
-            ops.pack_tensors_into(
-                tensors, layer.layout, as_tensor(rows.reshape(-1)),
-                [sign * self.scale * float(factor)
-                 for sign, factor in zip(signs, factors)])
+            ops.pack_tensors_into(tensors, layer.layout,
+                                  as_tensor(rows.reshape(-1)),
+                                  [sign * self.scale for sign in signs])
             layer.behind = True
         elif target is not None:
             ops.pack_delta_into(layer.variables, layer.layout,
