@@ -250,8 +250,10 @@ class ParameterSync:
         return result
 
     def _new_capture(self, is_train_step):
+        # Only while tracing: run eagerly, a direct write (weight decay)
+        # happens at once and leaves no op the capture could check.
         if not (is_train_step and self.capture_updates
-                and self.client.slack == 0):
+                and self.client.slack == 0 and tf.inside_function()):
             return None
         variables = [v for layer in self.tables if layer.on_cpu
                      for v in layer.variables]

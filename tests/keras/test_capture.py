@@ -38,7 +38,7 @@ def _model(constraint=None):
 
 
 def _train(thread_cluster, optimizer, capture, slack=0, constraint=None,
-           callbacks=False):
+           callbacks=False, run_eagerly=False):
     """Fits on a fresh 1-shard cluster; returns (weights, shard rows,
     captured layer names)."""
     cluster = thread_cluster(1, 1)
@@ -48,7 +48,7 @@ def _train(thread_cluster, optimizer, capture, slack=0, constraint=None,
         with strategy.scope():
             model = _model(constraint)
             model.compile(optimizer=optimizer(), loss="mse",
-                          jit_compile=False)
+                          jit_compile=False, run_eagerly=run_eagerly)
         x, y = _data()
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                   callbacks=strategy.callbacks() if callbacks else None)
@@ -113,6 +113,18 @@ def test_loss_scaling_and_ssp_write_the_variables(thread_cluster):
 
     sgd = lambda: keras.optimizers.SGD(0.05)  # noqa
     assert _train(thread_cluster, sgd, capture=True, slack=1)[2] == []
+
+
+def test_run_eagerly_writes_the_variables(thread_cluster):
+    """Eagerly, a direct write (weight decay) leaves no op to check: no
+    capture, and AdamW trains as with capture off."""
+    decay = lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)  # noqa
+    weights, rows, names = _train(thread_cluster, decay, capture=True,
+                                  run_eagerly=True)
+    assert names == []
+    plain = _train(thread_cluster, decay, capture=False)
+    _close(rows, plain[1])
+    _close(weights, plain[0])
 
 
 def test_capture_leaves_optimizers_outside_geeps_alone(thread_cluster):
