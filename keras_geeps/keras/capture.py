@@ -12,7 +12,8 @@ Anything that needs the written variable within the step refuses the
 offer, and the update is applied as usual: a moving average (`use_ema`),
 gradient accumulation, a constraint, an update under a condition (a loss
 scale optimizer), a sparse update, or a variable already written directly
-earlier in the step (weight decay). A layer is captured only when every one
+earlier in the step (weight decay). Steps run eagerly are never captured:
+their direct writes leave no op to check. A layer is captured only when every one
 of its variables was; the captured updates of a layer that is not are
 applied at the end of the step, before its push measures the change.
 """

@@ -68,7 +68,7 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             pull replaces anyway: three passes over the model fewer per
             step. Updates that need the written variable within the step
             (moving averages, constraints, gradient accumulation, weight
-            decay, sparse updates) are applied as usual. The variables then
+            decay, sparse updates, eager steps) are applied as usual. The variables then
             trail the shards by the last step until a pull; `fit` pulls on
             its way out. Defaults to True.
     """
