@@ -378,7 +378,7 @@ def pack_delta_into(variables, layout, snapshot, out, scale=1.0):
                                sizes=list(layout.sizes), scale=float(scale))
 
 
-def pack_tensors_into(values, layout, out, scales):
+def pack_tensors_into(values, layout, out, scales, base=None):
     """Writes tensors, each times its own scale, into the memory of `out`.
 
     The counterpart of `pack_delta_into` for updates that are already
@@ -395,6 +395,9 @@ def pack_tensors_into(values, layout, out, scales):
             overwritten.
         scales: one float per segment (a list or a float32 tensor):
             segment i is `values[i] * scales[i]`.
+        base: optional 1-D tensor of `layout.total_size` elements added to
+            the result (`out = base + values * scales`): new rows rather
+            than an update. Defaults to None.
 
     Example:
 
@@ -422,8 +425,13 @@ def pack_tensors_into(values, layout, out, scales):
         if "CPU" not in value.device.upper():
             raise ValueError(f"pack_tensors_into takes CPU tensors; one is "
                              f"on {value.device}")
-    _gen.geeps_pack_tensors_into(values, scales, out,
-                                 sizes=list(layout.sizes))
+    if base is None:
+        _gen.geeps_pack_tensors_into(values, scales, out,
+                                     sizes=list(layout.sizes))
+        return
+    base = tf.convert_to_tensor(base, dtype=layout.dtype)
+    _gen.geeps_pack_tensors_onto_base_into(values, scales, base, out,
+                                           sizes=list(layout.sizes))
 
 
 def _pack_grad(op, grad, resources, delta):

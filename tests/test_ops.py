@@ -590,3 +590,27 @@ def test_pack_tensors_into_refuses_bad_calls():
     with pytest.raises(ValueError, match="eagerly"):
         tf.function(lambda: ops.pack_tensors_into(values, layout, out,
                                                   [1.0, 1.0]))()
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.float64])
+@pytest.mark.parametrize("shapes", [PACK_SHAPES, [(1000, 1100), (3,), (7, 33)]],
+                         ids=["small", "streamed"])
+def test_pack_tensors_into_adds_a_base(dtype, shapes):
+    """out = base + values * scales: the numpy reference, bit for bit."""
+    rng = np.random.default_rng(8)
+    values = [tf.constant(rng.standard_normal(s), dtype=dtype) for s in shapes]
+    layout = ops.PackLayout(values)
+    base = tf.constant(rng.standard_normal(layout.total_size), dtype=dtype)
+    scales = [(-0.5, 1.0, 0.25)[i % 3] for i in range(len(shapes))]
+    out = np.zeros(layout.total_size + 1, dtype.as_numpy_dtype)[1:]
+    ops.pack_tensors_into(values, layout,
+                          tf.experimental.dlpack.from_dlpack(out.__dlpack__()),
+                          scales, base=base)
+    acc = np.float64 if dtype == tf.float64 else np.float32
+    scaled = np.concatenate([v.numpy().astype(acc).reshape(-1) * acc(s)
+                             for v, s in zip(values, scales)])
+    want = (base.numpy().astype(acc) + scaled).astype(dtype.as_numpy_dtype)
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(INVALID, match="base has shape"):
+        ops.pack_tensors_into(values, layout, tf.zeros_like(base), scales,
+                              base=base[1:])

@@ -167,6 +167,26 @@ inline void StreamingScale(float* d, const float* a, int64_t n, float scale) {
   for (; k < n; ++k) d[k] = a[k] * scale;
 }
 
+// d[k] = b[k] + a[k] * scale for floats, with streaming stores.
+inline void StreamingAddScaled(float* d, const float* b, const float* a,
+                               int64_t n, float scale) {
+  int64_t k = 0;
+#if defined(__SSE2__)
+  for (; k < n && (reinterpret_cast<uintptr_t>(d + k) & 15); ++k) {
+    d[k] = b[k] + a[k] * scale;
+  }
+  const __m128 s = _mm_set1_ps(scale);
+  for (; k + 8 <= n; k += 8) {
+    _mm_stream_ps(d + k, _mm_add_ps(_mm_loadu_ps(b + k),
+                                    _mm_mul_ps(_mm_loadu_ps(a + k), s)));
+    _mm_stream_ps(d + k + 4,
+                  _mm_add_ps(_mm_loadu_ps(b + k + 4),
+                             _mm_mul_ps(_mm_loadu_ps(a + k + 4), s)));
+  }
+#endif
+  for (; k < n; ++k) d[k] = b[k] + a[k] * scale;
+}
+
 inline void StreamingFence() {
 #if defined(__SSE2__)
   _mm_sfence();

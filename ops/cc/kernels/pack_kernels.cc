@@ -43,14 +43,16 @@ void CopyElements(T* dst, const T* src, int64_t len, bool streaming) {
 }
 
 // out = (srcs - snapshot) * scales[segment] over the layout, on the CPU
-// worker pool; without a snapshot, out = srcs * scales[segment]. Used by
+// worker pool; without a snapshot, out = srcs * scales[segment]; with
+// `add_to_snapshot`, out = snapshot + srcs * scales[segment]. Used by
 // PackDelta (scale 1), PackDeltaInto and PackTensorsInto. A float32 output
 // of kStreamingBytes or more is written with streaming stores (it is read by
 // someone else).
 template <typename T>
 void ScaleSegments(OpKernelContext* ctx, const std::vector<const T*>& srcs,
                    const std::vector<int64_t>& offsets, const T* snapshot,
-                   T* out, const std::vector<float>& scales) {
+                   T* out, const std::vector<float>& scales,
+                   bool add_to_snapshot = false) {
   const bool streaming =
       std::is_same<T, float>::value &&
       offsets.back() * static_cast<int64_t>(sizeof(T)) >= kStreamingBytes;
@@ -68,6 +70,8 @@ void ScaleSegments(OpKernelContext* ctx, const std::vector<const T*>& srcs,
                 if (streaming) {
                   if (old == nullptr) {
                     StreamingScale(dst, src, len, scale);
+                  } else if (add_to_snapshot) {
+                    StreamingAddScaled(dst, old, src, len, scale);
                   } else {
                     StreamingSubtractScale(dst, src, old, len, scale);
                   }
@@ -81,6 +85,11 @@ void ScaleSegments(OpKernelContext* ctx, const std::vector<const T*>& srcs,
               if (old == nullptr) {
                 for (int64_t k = 0; k < len; ++k) {
                   dst[k] = static_cast<T>(static_cast<Acc>(src[k]) * scale_acc);
+                }
+              } else if (add_to_snapshot) {
+                for (int64_t k = 0; k < len; ++k) {
+                  dst[k] = static_cast<T>(static_cast<Acc>(old[k]) +
+                                          static_cast<Acc>(src[k]) * scale_acc);
                 }
               } else if (scale == 1.0f) {
                 for (int64_t k = 0; k < len; ++k) dst[k] = src[k] - old[k];
@@ -406,7 +415,7 @@ GEEPS_REGISTER_INTO(double)
 // PackTensorsInto: N tensors, segment i times scales[i], written into `out`'s
 // memory (as PackDeltaInto). A worker's captured optimizer update goes
 // straight into memory a co-located shard reads. CPU only.
-template <typename T>
+template <typename T, bool kBase>
 class PackTensorsIntoOp : public OpKernel {
  public:
   explicit PackTensorsIntoOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -415,10 +424,11 @@ class PackTensorsIntoOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const int n = static_cast<int>(offsets_.size()) - 1;
-    OP_REQUIRES(ctx, ctx->num_inputs() == n + 2,
+    const int extra = kBase ? 3 : 2;  // scales, [base,] out
+    OP_REQUIRES(ctx, ctx->num_inputs() == n + extra,
                 absl::InvalidArgumentError(absl::StrCat(
-                    "the layout has ", n, " sizes but ", ctx->num_inputs() - 2,
-                    " tensors were given")));
+                    "the layout has ", n, " sizes but ",
+                    ctx->num_inputs() - extra, " tensors were given")));
     const Tensor& scales = ctx->input(n);
     OP_REQUIRES(ctx,
                 TensorShapeUtils::IsVector(scales.shape()) &&
@@ -426,7 +436,13 @@ class PackTensorsIntoOp : public OpKernel {
                 absl::InvalidArgumentError(absl::StrCat(
                     "scales has shape ", scales.shape().DebugString(),
                     ", the layout has ", n, " segments")));
-    const Tensor& out = ctx->input(n + 1);
+    const T* base = nullptr;
+    if (kBase) {
+      OP_REQUIRES_OK(ctx, CheckBuffer(ctx->input(n + 1), "base",
+                                      offsets_.back()));
+      base = Elements<T>(ctx->input(n + 1));
+    }
+    const Tensor& out = ctx->input(n + extra - 1);
     OP_REQUIRES_OK(ctx, CheckBuffer(out, "out", offsets_.back()));
     std::vector<const T*> srcs(n);
     for (int i = 0; i < n; ++i) {
@@ -435,8 +451,9 @@ class PackTensorsIntoOp : public OpKernel {
     }
     const auto scale_values = scales.flat<float>();
     functor::ScaleSegments<T>(
-        ctx, srcs, offsets_, nullptr, CallerMemory<T>(out),
-        std::vector<float>(scale_values.data(), scale_values.data() + n));
+        ctx, srcs, offsets_, base, CallerMemory<T>(out),
+        std::vector<float>(scale_values.data(), scale_values.data() + n),
+        /*add_to_snapshot=*/kBase);
   }
 
  private:
@@ -448,7 +465,12 @@ class PackTensorsIntoOp : public OpKernel {
                               .Device(DEVICE_CPU)            \
                               .HostMemory("scales")          \
                               .TypeConstraint<T>("dtype"),   \
-                          PackTensorsIntoOp<T>);
+                          PackTensorsIntoOp<T, false>);      \
+  REGISTER_KERNEL_BUILDER(Name("Geeps>PackTensorsOntoBaseInto") \
+                              .Device(DEVICE_CPU)            \
+                              .HostMemory("scales")          \
+                              .TypeConstraint<T>("dtype"),   \
+                          PackTensorsIntoOp<T, true>);
 GEEPS_REGISTER_TENSORS_INTO(float)
 GEEPS_REGISTER_TENSORS_INTO(Eigen::half)
 GEEPS_REGISTER_TENSORS_INTO(bfloat16)

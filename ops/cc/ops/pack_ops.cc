@@ -62,6 +62,23 @@ absl::Status CheckVectorInput(InferenceContext* c, int i, int64_t length) {
   return c->Merge(vector, c->Vector(length), &vector);
 }
 
+// Shape function of the PackTensors*Into ops: N values, their scales, then
+// `buffers` vectors of the layout's total size.
+absl::Status PackTensorsIntoShape(InferenceContext* c, int buffers) {
+  std::vector<int64_t> sizes;
+  int64_t total;
+  TF_RETURN_IF_ERROR(LayoutSizes(c, &sizes, &total));
+  const int n = static_cast<int>(sizes.size());
+  for (int i = 0; i < n; ++i) {
+    TF_RETURN_IF_ERROR(CheckSegment(c, i, c->input(i), sizes[i]));
+  }
+  TF_RETURN_IF_ERROR(CheckVectorInput(c, n, n));  // scales
+  for (int i = 1; i <= buffers; ++i) {
+    TF_RETURN_IF_ERROR(CheckVectorInput(c, n + i, total));
+  }
+  return absl::OkStatus();
+}
+
 // Shape function shared by the four pack ops. The N values (resource handles
 // or tensors) come first; a snapshot, when `delta`, follows them.
 absl::Status PackShape(InferenceContext* c, bool resources, bool delta) {
@@ -193,22 +210,30 @@ REGISTER_OP("Geeps>PackTensorsInto")
     .GEEPS_PACK_ATTRS
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
-      std::vector<int64_t> sizes;
-      int64_t total;
-      TF_RETURN_IF_ERROR(LayoutSizes(c, &sizes, &total));
-      const int n = static_cast<int>(sizes.size());
-      for (int i = 0; i < n; ++i) {
-        TF_RETURN_IF_ERROR(CheckSegment(c, i, c->input(i), sizes[i]));
-      }
-      TF_RETURN_IF_ERROR(CheckVectorInput(c, n, n));          // scales
-      return CheckVectorInput(c, n + 1, total);                // out
+      return PackTensorsIntoShape(c, /*buffers=*/1);  // out
     })
     .Doc(R"doc(
 Writes N tensors, segment i times scales[i], into the memory of `out`, a host
 buffer the caller owns and shares with TensorFlow (CPU only). Lets a worker
 put an optimizer's captured update straight into memory a co-located shard
-reads. The scales are an input, not an attribute: a learning rate folded
-into them changes every step.
+reads. The scales are an input, not an attribute, so that new values never
+instantiate a new kernel.
+)doc");
+
+REGISTER_OP("Geeps>PackTensorsOntoBaseInto")
+    .Input("values: N * dtype")
+    .Input("scales: float")
+    .Input("base: dtype")
+    .Input("out: dtype")
+    .GEEPS_PACK_ATTRS
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      return PackTensorsIntoShape(c, /*buffers=*/2);  // base, out
+    })
+    .Doc(R"doc(
+PackTensorsInto plus a packed `base`: writes base + values[i] * scales[i]
+into the memory of `out`. A table's only writer puts its new rows (the rows
+it pulled plus its update) straight into the buffer its shard lent it.
 )doc");
 
 #undef GEEPS_PACK_ATTRS
