@@ -108,14 +108,17 @@ _META_SCHEMA = {
                       "row_start": int, "row_end": int, "shm": bool},
     MsgType.READ: {"shm": bool},
     # ref: [buffer id, fd, offset, nbytes] of the sender's shared buffer,
-    # carried instead of a raw frame between co-located peers.
+    # carried instead of a raw frame between co-located peers. lend: a ref
+    # to the shard buffer a table's only writer may write its next rows
+    # into; into: the id of that buffer, on the UPDATE that says it did.
     MsgType.ROWS: {"row_start": int, "row_end": int, "chunk_row": int,
-                   "ckpt": int, "ref": list},
-    MsgType.UPDATE: {"chunk_row": int, "indexed": bool, "ref": list},
+                   "ckpt": int, "ref": list, "lend": list},
+    MsgType.UPDATE: {"chunk_row": int, "indexed": bool, "ref": list,
+                     "into": int},
     MsgType.CLOCK: {},
     MsgType.PUSH: {"row_start": int, "row_end": int, "chunk_row": int,
                    "ckpt": int,  # ckpt: the table's durable checkpoint clock
-                   "ref": list},
+                   "ref": list, "lend": list},
     MsgType.ACK: {"global_clock": int, "ckpt": int, "existing": bool},
     MsgType.ERROR: {"error": str, "code": str},
     MsgType.STATS: {},

@@ -71,6 +71,11 @@ class ShardSettings:
         max_held_buffers: most row buffers of one table a worker may hold
             through shared memory; past it the worker gets copies by TCP.
             Defaults to 4.
+        lend_buffers: when a table has one writer (a 1-worker job) that
+            shares memory with the shard and no checkpoints are kept, lend
+            it the buffer of the table's next rows with every push: the
+            worker writes `rows + update` there itself and the shard adopts
+            it, with no add of its own. Defaults to True.
     """
 
     def __init__(self, max_message_bytes=1 << 30, max_tables=4096,
@@ -80,7 +85,7 @@ class ShardSettings:
                  poll_timeout_ms=100, checkpoint_dir=None,
                  checkpoint_every=0, worker_timeout=0.0,
                  on_worker_failure="stop", shared_memory=None,
-                 max_held_buffers=4):
+                 max_held_buffers=4, lend_buffers=True):
         if on_worker_failure not in ("stop", "continue"):
             raise ValueError(f"on_worker_failure must be 'stop' or "
                              f"'continue', not {on_worker_failure!r}")
@@ -101,6 +106,7 @@ class ShardSettings:
                               if shared_memory is None
                               else bool(shared_memory))
         self.max_held_buffers = max_held_buffers
+        self.lend_buffers = lend_buffers
 
 
 class RequestError(Exception):
@@ -132,6 +138,7 @@ class _Table:
         self.pending = {}  # clock >= global_clock -> _Pending
         self.subscribers = set()
         self.snapshot = None      # (clock, rows) taken for the next write
+        self.lent = None          # (clock, worker, rows, SharedBuffer)
         self.ckpt_clock = -1      # clock of the durable (written) snapshot
 
     @property
@@ -355,7 +362,8 @@ class ShardServer:
         self.stats = {"bytes_in": 0, "bytes_out": 0, "messages_in": 0,
                       "updates_applied": 0, "duplicates": 0, "errors": 0,
                       "pushes": 0, "checkpoints": 0, "restored_clock": -1,
-                      "shm_bytes_in": 0, "shm_bytes_out": 0}
+                      "shm_bytes_in": 0, "shm_bytes_out": 0,
+                      "lent_updates": 0}
         if restore:
             self._restore()
 
@@ -568,6 +576,9 @@ class ShardServer:
 
     def _forget_shm(self, worker):
         """A new or dead worker process holds none of our buffers."""
+        for table in self._tables.values():
+            if table.lent is not None and table.lent[1] == worker:
+                self._end_lend(table)
         self._shm_writers.pop(worker, None)
         self._shm_readers.discard(worker)
         for holders in self._holds.values():
@@ -764,6 +775,10 @@ class ShardServer:
                 bad = index[(index < 0) | (index >= table.local_rows)][0]
                 raise RequestError(f"table {table.id}: row index {bad} is "
                                    f"outside [0, {table.local_rows})")
+        elif "into" in message.meta:
+            self._adopt_lent(table, worker, clk, message)
+            self.stats["updates_applied"] += 1
+            return
         else:
             if "ref" in message.meta:
                 if arrays:
@@ -795,6 +810,52 @@ class ShardServer:
         # No ACK per update: requests are handled in order, so the ACK of
         # the CLOCK that follows acknowledges every update before it.
         self.stats["updates_applied"] += 1
+
+    def _adopt_lent(self, table, worker, clk, message):
+        """An UPDATE whose rows + update the worker wrote into the buffer
+        this shard lent it: that buffer becomes the clock's fresh rows."""
+        lent = table.lent
+        if message.arrays or "ref" in message.meta:
+            raise RequestError("an UPDATE into a lent buffer carries no rows")
+        if lent is None or lent[0] != clk or lent[1] != worker or \
+                message.meta["into"] != lent[3].id or \
+                clk != table.global_clock or clk in table.pending:
+            raise RequestError(f"worker {worker} wrote clock {clk} of table "
+                               f"{table.id} into buffer "
+                               f"{message.meta['into']!r:.40}, which this "
+                               f"shard did not lend it for that clock")
+        table.lent = None
+        pending = table.pending[clk] = _Pending(lent[2], table.data)
+        pending.written[:] = True
+        self.stats["shm_bytes_in"] += lent[2].nbytes
+        self.stats["lent_updates"] += 1
+
+    def _lend(self, table, worker):
+        """The buffer lent to `worker` for the table's next rows (see
+        `ShardSettings.lend_buffers`), or None."""
+        if not (self.settings.lend_buffers and self.num_workers == 1
+                and not self.settings.checkpoint_every
+                and worker in self._shm_writers
+                and table.global_clock not in table.pending):
+            return None
+        if table.lent is not None and table.lent[:2] == (table.global_clock,
+                                                         worker):
+            return table.lent[3]
+        self._end_lend(table)
+        rows = table.pool.get()
+        shared = self._shared_buffer(table, rows)
+        if shared is None:
+            table.pool.put(rows)
+            return None
+        table.lent = (table.global_clock, worker, rows, shared)
+        return shared
+
+    def _end_lend(self, table):
+        """Takes back an unused lent buffer (its clock passed, or its
+        worker is gone)."""
+        if table.lent is not None:
+            table.pool.put(table.lent[2])
+            table.lent = None
 
     def _clock(self, identity, message):
         table = self._tables.get(message.table)
@@ -830,6 +891,8 @@ class ShardServer:
             self._maybe_snapshot(table, clk + 1, data)
         table.data = data
         table.global_clock = new_global
+        if table.lent is not None and table.lent[0] < new_global:
+            self._end_lend(table)
         subscribers = [self._identities[w] for w in sorted(table.subscribers)
                        if w in self._identities]
         self._send_rows(table, subscribers, MsgType.PUSH, 0, data)
@@ -886,6 +949,10 @@ class ShardServer:
                 "row_end": table.spec["row_end"], "chunk_row": 0,
                 "ckpt": table.ckpt_clock,
                 "ref": shared.ref(0, data.nbytes)}
+        if data is table.data:
+            lent = self._lend(table, worker)
+            if lent is not None:
+                meta["lend"] = lent.ref(0, data.nbytes)
         holders = self._holds.setdefault(shared.id, {})
         holders[worker] = holders.get(worker, 0) + 1
         self.stats["shm_bytes_out"] += data.nbytes

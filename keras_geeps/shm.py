@@ -183,7 +183,7 @@ class PeerBuffers:
     def __init__(self, pid, token, cache=4096):
         self.pid = pid
         self.token = token
-        self._cache = OrderedDict()  # buffer id -> (fd, uint8 array)
+        self._cache = OrderedDict()  # (buffer id, writable) -> (fd, array)
         self._cache_size = cache
         self._lock = threading.Lock()
 
@@ -207,10 +207,11 @@ class PeerBuffers:
             log.debug("no shared memory with pid %s: %s", pid, exc)
             return None
 
-    def _map(self, fd, nbytes):
+    def _map(self, fd, nbytes, writable=False):
         path = f"/proc/{self.pid}/fd/{fd}"
         # O_NONBLOCK: a peer naming a FIFO must not block us.
-        handle = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        handle = os.open(path, (os.O_RDWR if writable else os.O_RDONLY)
+                         | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             info = os.fstat(handle)
             if not stat.S_ISREG(info.st_mode):
@@ -224,20 +225,23 @@ class PeerBuffers:
             if info.st_size < nbytes or info.st_size == 0:
                 raise ValueError(f"{path} holds {info.st_size} bytes, "
                                  f"fewer than {nbytes}")
-            mapped = mmap.mmap(handle, info.st_size, access=mmap.ACCESS_READ)
+            mapped = mmap.mmap(handle, info.st_size, access=(
+                mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ))
         finally:
             os.close(handle)
         return np.frombuffer(mapped, np.uint8)
 
-    def view(self, ref):
+    def view(self, ref, writable=False):
         """The bytes a wire reference names, as a uint8 array.
 
         Args:
             ref: [buffer id, fd, offset, nbytes] from `SharedBuffer.ref`.
+            writable: map the buffer for writing (one the peer lent us to
+                write into). Defaults to False.
 
         Returns:
-            A read-only uint8 numpy array (see `hold` to learn when it and
-            its views are gone).
+            A uint8 numpy array, read-only unless `writable` (see `hold` to
+            learn when it and its views are gone).
 
         Raises:
             ValueError: naming what is wrong with the reference.
@@ -250,19 +254,20 @@ class PeerBuffers:
         buffer_id, fd, offset, nbytes = ref
         if buffer_id < 1 or fd < 0 or offset < 0 or nbytes < 0:
             raise ValueError(f"bad shared-memory reference {ref}")
+        key = (buffer_id, writable)
         with self._lock:
-            cached = self._cache.get(buffer_id)
+            cached = self._cache.get(key)
             if cached is None or cached[0] != fd:
                 try:
-                    cached = (fd, self._map(fd, offset + nbytes))
+                    cached = (fd, self._map(fd, offset + nbytes, writable))
                 except OSError as exc:
                     raise ValueError(f"cannot map buffer {buffer_id} of "
                                      f"pid {self.pid}: {exc}") from None
-                self._cache[buffer_id] = cached
+                self._cache[key] = cached
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
             else:
-                self._cache.move_to_end(buffer_id)
+                self._cache.move_to_end(key)
         whole = cached[1]
         if offset + nbytes > whole.nbytes:
             raise ValueError(f"reference {ref} reaches beyond buffer "

@@ -159,6 +159,47 @@ def test_update_target_sends_without_a_copy(thread_cluster):
         assert len(table.uploads) <= 3
 
 
+def test_only_writer_writes_new_rows_into_lent_buffers(thread_cluster):
+    """A 1-worker table: the shard lends the buffer of its next rows, the
+    worker writes rows + update there, and the shard adopts it."""
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=20) as client:
+        table = client.create_table("t", 64, 32, init=np.full((64, 32), 5.0,
+                                                              np.float32))
+        client.update(table, np.ones((64, 32), np.float32))  # clock 0:
+        client.clock()  # its rows were the creator's, not a shard buffer
+        for clk in range(1, 6):
+            rows = client.read_shared(table)
+            np.testing.assert_array_equal(rows, 5.0 + sum(range(1, clk + 1)))
+            lent = client.lend_target(table)
+            assert lent is not None and lent.ctypes.data % 64 == 0
+            assert lent.ctypes.data != rows.ctypes.data
+            lent[:] = rows + (clk + 1)
+            client.update(table, lent, copy=False)
+            client.clock()
+        np.testing.assert_array_equal(client.read(table), 5.0 + 21)
+        stats = client.shard_stats()[0]
+        assert stats["lent_updates"] == 5 and stats["errors"] == 0
+
+
+def test_no_lend_with_two_writers_or_checkpoints(thread_cluster, tmp_path):
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    def body(client, w):
+        table = client.create_table("t", 64, 32)
+        client.read_shared(table)
+        assert client.lend_target(table) is None
+        client.update(table, np.ones((64, 32), np.float32))
+        client.clock()
+        return client.read(table)
+
+    for rows in _run(thread_cluster(1, 2), body).values():
+        np.testing.assert_array_equal(rows, 2.0)
+    cluster = thread_cluster(1, 1, settings=ShardSettings(
+        checkpoint_dir=str(tmp_path), checkpoint_every=1))
+    np.testing.assert_array_equal(_run(cluster, body)[0], 1.0)
+
+
 def test_worker_holding_every_push_falls_back_to_tcp(thread_cluster):
     cluster = thread_cluster(1, 1)
     kept = []
@@ -226,6 +267,11 @@ def test_shard_refuses_bad_shared_memory_references(thread_cluster):
                                     meta={"ref": ref}))
                 assert reply.type == MsgType.ERROR, reply
                 assert why in reply.meta["error"]
+            # An update "into" a buffer the shard did not lend is refused.
+            reply = ask(Message(MsgType.UPDATE, table.id, seq=6,
+                                meta={"into": buffer.id}))
+            assert reply.type == MsgType.ERROR
+            assert "did not lend" in reply.meta["error"]
             # The shard and the real worker carry on.
             client.update(table, np.ones((16, 8), np.float32))
             client.clock()

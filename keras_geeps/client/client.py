@@ -111,6 +111,8 @@ class Table:
         # [[shm.SharedBuffer, clock used, held by the log]].
         self.uploads = []
         self.upload_target = None   # (array, entry) given by update_target
+        self.lend = None            # (clock, shard, ref): a shard's lent rows
+        self.lent_target = None     # (array, shard, buffer id) given out
         self.update_buffer = None   # this clock's summed updates
         self.update_owned = False   # True: we allocated update_buffer
         self.read_my_writes = read_my_writes
@@ -357,6 +359,48 @@ class GeePSClient:
         table.upload_target = (array, entry)
         return array
 
+    def lend_target(self, what):
+        """The shard's own buffer for this clock's new rows, or None.
+
+        A shard lends it when this worker is the table's only writer and
+        shares memory with it (`ShardSettings.lend_buffers`). Write the
+        table's *new rows* there: the rows `read_shared` returned for this
+        clock plus the update. Then pass the array to
+        `update(..., copy=False)`: the shard adopts the buffer as the rows
+        of the next clock, with no add of its own.
+
+        Args:
+            what: a `Table` or its name.
+
+        Returns:
+            A writable, 64-byte aligned (rows, width) array, or None (no
+            lend for this clock: send an update as usual).
+        """
+        table = self.handle_for(what).table
+        lend = table.lend
+        if lend is None or self._keep_log or table.read_my_writes or \
+                table.update_buffer is not None or len(table.parts) != 1 \
+                or not lend[0] == table.clock == int(table.ages[0]):
+            return None
+        clock, shard, ref = lend
+        peer = self._shm_peers.get(shard, (None, None))[0]
+        if peer is None:
+            return None
+        try:
+            raw = peer.view(ref, writable=True)
+        except ValueError as exc:
+            log.warning("worker %d: cannot write the buffer shard %d lent "
+                        "for table %r (%s); updating as usual",
+                        self.worker_id, shard, table.name, exc)
+            table.lend = None
+            return None
+        if raw.nbytes != table.nbytes or raw.ctypes.data % 64:
+            table.lend = None
+            return None
+        array = raw.view(table.dtype).reshape(table.rows, table.width)
+        table.lent_target = (array, shard, ref[0])
+        return array
+
     def _request_all(self, requests, what):
         """Sends [(shard, message)] and waits for every reply (bounded)."""
         futures = []
@@ -509,6 +553,9 @@ class GeePSClient:
         table = self._tables[message.table]
         part = table.part_of.get((shard, message.meta.get("row_start")))
         if "ref" in message.meta and not message.arrays:
+            lend = message.meta.get("lend")
+            if lend is not None and len(table.parts) == 1:
+                table.lend = (message.clk, shard, lend)
             try:
                 rows = self._shared_rows(shard, message, table)
             except ValueError as exc:
@@ -890,6 +937,16 @@ class GeePSClient:
             table.update_buffer = None
             if table.read_my_writes:
                 table.own[table.clock] = buffer
+        lent, table.lent_target, table.lend = table.lent_target, None, None
+        if lent is not None and buffer.ctypes.data == lent[0].ctypes.data \
+                and buffer.nbytes == lent[0].nbytes:
+            table.upload_target = None
+            self.shm_bytes_out += buffer.nbytes
+            self._send(lent[1], Message(MsgType.UPDATE, table.id,
+                                        clk=table.clock,
+                                        meta={"chunk_row": 0,
+                                              "into": lent[2]}))
+            return buffer
         entry = self._shared_update(table, buffer)
         row_bytes = table.width * table.dtype.itemsize
         for shard, start, end in table.parts:

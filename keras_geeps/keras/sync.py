@@ -106,6 +106,7 @@ class LayerTable:
         self.pulled_ages = None
         self.on_cpu = all("CPU" in v.device.upper() for v in variables)
         self.behind = False  # a captured update is not in the variables
+        self.pulled_shared = None  # the pulled shard rows, if shared
         self._buffers = [_aligned_empty(layout.total_size,
                                         table.dtype) for _ in range(2)]
         self._next = 0
@@ -347,6 +348,7 @@ class ParameterSync:
             # (which TF may compute on in place), are copied out.
             buffer = self.client.read_shared(table) if values is None \
                 else None
+            shared = buffer is not None
             if buffer is None:
                 buffer = layer.next_buffer()
                 self.client.read(table, out=buffer.reshape(table.rows,
@@ -357,6 +359,7 @@ class ParameterSync:
         self.max_staleness = max(self.max_staleness,
                                  table.clock - table.last_read_age)
         snapshot = as_tensor(buffer)
+        layer.pulled_shared = snapshot if shared else None
         if values is None:
             ops.unpack(snapshot, layer.variables, layer.layout)
         layer.snapshot = snapshot
@@ -413,10 +416,20 @@ class ParameterSync:
                 target = self.client.update_target(table)
         if update is not None:
             tensors, signs = update
-            rows = layer.next_upload() if target is None else target
-            ops.pack_tensors_into(tensors, layer.layout,
-                                  as_tensor(rows.reshape(-1)),
-                                  [sign * self.scale for sign in signs])
+            scales = [sign * self.scale for sign in signs]
+            lent = None
+            if layer.pulled_shared is not None:
+                with self.lock:  # the table's only writer: new rows
+                    lent = self.client.lend_target(table)
+            if lent is not None:
+                ops.pack_tensors_into(tensors, layer.layout,
+                                      as_tensor(lent.reshape(-1)), scales,
+                                      base=layer.pulled_shared)
+                rows = lent
+            else:
+                rows = layer.next_upload() if target is None else target
+                ops.pack_tensors_into(tensors, layer.layout,
+                                      as_tensor(rows.reshape(-1)), scales)
             layer.behind = True
         elif target is not None:
             ops.pack_delta_into(layer.variables, layer.layout,

@@ -59,7 +59,8 @@ def _train(thread_cluster, optimizer, capture, slack=0, constraint=None,
                                    for v in layer.variables])
                    for layer in sync.tables]
         names = [name.rsplit("/", 1)[-1] for name in sync.captured_layers]
-        return weights, rows, names
+        lent = strategy.client.shard_stats()[0]["lent_updates"]
+        return weights, rows, names, lent
     finally:
         strategy.close()
 
@@ -74,11 +75,15 @@ def _close(got, want):
     lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
     lambda: keras.optimizers.Adam(0.01)], ids=["sgd", "nesterov", "adam"])
 def test_captured_updates_train_like_measured_ones(thread_cluster, optimizer):
-    weights, rows, names = _train(thread_cluster, optimizer, capture=True)
+    weights, rows, names, lent = _train(thread_cluster, optimizer,
+                                        capture=True)
     assert names == ["a", "b"]
-    plain_weights, plain_rows, plain_names = _train(thread_cluster, optimizer,
-                                                    capture=False)
-    assert plain_names == []
+    # The only writer wrote its new rows into buffers the shard lent it:
+    # every update of both tables after the first step's.
+    assert lent == 2 * (2 * STEPS - 1), lent
+    plain_weights, plain_rows, plain_names, plain_lent = _train(
+        thread_cluster, optimizer, capture=False)
+    assert plain_names == [] and plain_lent == 0
     _close(rows, plain_rows)
     # `fit` pulls on its way out: the variables hold the last update too.
     _close(weights, rows)
@@ -87,7 +92,7 @@ def test_captured_updates_train_like_measured_ones(thread_cluster, optimizer):
 
 def test_weight_decay_ema_and_constraints_are_not_captured(thread_cluster):
     decay = lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)  # noqa
-    weights, rows, names = _train(thread_cluster, decay, capture=True)
+    weights, rows, names, _ = _train(thread_cluster, decay, capture=True)
     assert names == []
     _close(rows, _train(thread_cluster, decay, capture=False)[1])
 
@@ -96,7 +101,7 @@ def test_weight_decay_ema_and_constraints_are_not_captured(thread_cluster):
 
     sgd = lambda: keras.optimizers.SGD(0.05)  # noqa
     constraint = keras.constraints.MaxNorm(0.3)
-    weights, rows, names = _train(thread_cluster, sgd, capture=True,
+    weights, rows, names, _ = _train(thread_cluster, sgd, capture=True,
                                   constraint=constraint)
     assert names == ["b"]  # layer a's kernel has the constraint
     plain = _train(thread_cluster, sgd, capture=False, constraint=constraint)
@@ -107,7 +112,7 @@ def test_weight_decay_ema_and_constraints_are_not_captured(thread_cluster):
 def test_loss_scaling_and_ssp_write_the_variables(thread_cluster):
     scaled = lambda: keras.optimizers.LossScaleOptimizer(  # noqa
         keras.optimizers.SGD(0.05))
-    weights, rows, names = _train(thread_cluster, scaled, capture=True)
+    weights, rows, names, _ = _train(thread_cluster, scaled, capture=True)
     assert names == []  # the inner update runs under a condition
     _close(rows, _train(thread_cluster, scaled, capture=False)[1])
 
@@ -119,7 +124,7 @@ def test_run_eagerly_writes_the_variables(thread_cluster):
     """Eagerly, a direct write (weight decay) leaves no op to check: no
     capture, and AdamW trains as with capture off."""
     decay = lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)  # noqa
-    weights, rows, names = _train(thread_cluster, decay, capture=True,
+    weights, rows, names, _ = _train(thread_cluster, decay, capture=True,
                                   run_eagerly=True)
     assert names == []
     plain = _train(thread_cluster, decay, capture=False)
