@@ -8,7 +8,10 @@ own optimizer, and *pushes* the step's additive update (one `pack` op
 computing `value - snapshot`), then clocks the table. Pushes are issued in
 reverse layer order so the last layers' updates leave while the earlier
 layers are still in backprop. Under BSP the update is instead taken from the
-optimizer before it reaches the variables (`capture.UpdateCapture`).
+optimizer before it reaches the variables (`capture.UpdateCapture`); when
+this worker is a table's only writer, the push writes the pulled rows plus
+that update into a buffer the shard lends (`GeePSClient.lend_target`), and
+the shard adds nothing.
 
 The pulls and pushes are `tf.py_function`s placed in the compiled train step
 itself, so they run at every step, `steps_per_execution` included.
