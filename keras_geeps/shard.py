@@ -656,7 +656,7 @@ class ShardServer:
         return table
 
     def _held_bytes(self):
-        return sum(t.nbytes * (2 + len(t.pending))
+        return sum(t.nbytes * (2 + len(t.pending) + (t.lent is not None))
                    for t in self._tables.values())
 
     def _note_reader(self, message):
@@ -842,6 +842,8 @@ class ShardServer:
                                                          worker):
             return table.lent[3]
         self._end_lend(table)
+        if self._held_bytes() + table.nbytes > self.settings.max_table_bytes:
+            return None  # the update will come as usual, within the limit
         rows = table.pool.get()
         shared = self._shared_buffer(table, rows)
         if shared is None:
