@@ -165,13 +165,15 @@ class _Hold:
 
 
 class PeerBuffers:
-    """Maps a verified co-located peer's buffers, read-only.
+    """Maps a verified co-located peer's buffers.
 
     Mappings are cached and reused when the peer recycles a buffer, so they
-    must never hold pages of their own: they are read-only (a copy-on-write
-    mapping written once would keep showing those stale private pages after
-    the peer rewrote the buffer). Views are read-only numpy arrays;
-    `writable_alias` serves consumers that need the flag but only read.
+    must never hold pages of their own: they are read-only, or shared and
+    writable for a buffer the peer lends us to write into, never
+    copy-on-write (a private copy written once would keep showing those
+    stale pages after the peer rewrote the buffer). Read-only views are
+    read-only numpy arrays; `writable_alias` serves consumers that need the
+    flag but only read.
 
     Args:
         pid: the peer's process id.
@@ -285,7 +287,7 @@ class PeerBuffers:
         """
         return np.asarray(_Hold(array, writable=True))
 
-    def rows(self, ref, dtype, width, on_release=None):
+    def rows(self, ref, dtype, width, on_release=None, writable=False):
         """The (rows, width) array of `dtype` a wire reference names.
 
         Args:
@@ -294,12 +296,13 @@ class PeerBuffers:
             width: the table's row width.
             on_release: called once no view of the rows is left (see
                 `hold`). Defaults to None: not tracked.
+            writable: as for `view`. Defaults to False.
 
         Raises:
             ValueError: naming what is wrong with the reference, or that it
                 does not name whole, aligned rows.
         """
-        raw = self.view(ref)
+        raw = self.view(ref, writable)
         dtype = np.dtype(dtype)
         if raw.nbytes % (width * dtype.itemsize) or \
                 raw.ctypes.data % dtype.itemsize:

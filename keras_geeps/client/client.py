@@ -35,6 +35,12 @@ from keras_geeps.protocol import Message, MsgType
 log = logging.getLogger("keras_geeps.client")
 
 
+def _same_memory(a, b):
+    """True when arrays `a` and `b` are the very same memory (the buffer a
+    caller filled is the one this client handed out)."""
+    return a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes
+
+
 class PartRows:
     """The cached rows of one shard part, kept as the chunks that arrived.
 
@@ -382,22 +388,21 @@ class GeePSClient:
                 table.update_buffer is not None or len(table.parts) != 1 \
                 or not lend[0] == table.clock == int(table.ages[0]):
             return None
-        clock, shard, ref = lend
+        _, shard, ref = lend
         peer = self._shm_peers.get(shard, (None, None))[0]
         if peer is None:
             return None
         try:
-            raw = peer.view(ref, writable=True)
+            array = peer.rows(ref, table.dtype, table.width, writable=True)
         except ValueError as exc:
             log.warning("worker %d: cannot write the buffer shard %d lent "
                         "for table %r (%s); updating as usual",
                         self.worker_id, shard, table.name, exc)
             table.lend = None
             return None
-        if raw.nbytes != table.nbytes or raw.ctypes.data % 64:
+        if array.shape[0] != table.rows or array.ctypes.data % 64:
             table.lend = None
             return None
-        array = raw.view(table.dtype).reshape(table.rows, table.width)
         table.lent_target = (array, shard, ref[0])
         return array
 
@@ -938,8 +943,7 @@ class GeePSClient:
             if table.read_my_writes:
                 table.own[table.clock] = buffer
         lent, table.lent_target, table.lend = table.lent_target, None, None
-        if lent is not None and buffer.ctypes.data == lent[0].ctypes.data \
-                and buffer.nbytes == lent[0].nbytes:
+        if lent is not None and _same_memory(buffer, lent[0]):
             table.upload_target = None
             self.shm_bytes_out += buffer.nbytes
             self._send(lent[1], Message(MsgType.UPDATE, table.id,
@@ -971,8 +975,7 @@ class GeePSClient:
             return None
         if target is not None:
             array, entry = target
-            if buffer.ctypes.data == array.ctypes.data and \
-                    buffer.nbytes == array.nbytes:
+            if _same_memory(buffer, array):
                 entry[2] = self._keep_log  # the log keeps this very memory
                 return entry
         entry = self._upload_entry(table, table.clock)

@@ -13,9 +13,9 @@ offer, and the update is applied as usual: a moving average (`use_ema`),
 gradient accumulation, a constraint, an update under a condition (a loss
 scale optimizer), a sparse update, or a variable already written directly
 earlier in the step (weight decay). Steps run eagerly are never captured:
-their direct writes leave no op to check. A layer is captured only when every one
-of its variables was; the captured updates of a layer that is not are
-applied at the end of the step, before its push measures the change.
+their direct writes leave no op to check. A layer is captured only when
+every one of its variables was; the captured updates of a layer that is not
+are applied at the end of the step, before its push measures the change.
 """
 
 import keras
@@ -49,7 +49,6 @@ class UpdateCapture:
         self.handles = {id(v.handle) for v in variables}
         self.current = None    # the variable being updated now
         self.updates = {}      # id(variable) -> [(value, sign)]
-        self.refused = {}      # id(variable) -> why
         self._scanned = self.start
         self._written = set()  # id(handle) written directly so far
 
@@ -67,9 +66,7 @@ class UpdateCapture:
             variable = variable._value  # its tf.Variable
         if variable is not self.current:
             return False
-        reason = self._refusal(optimizer, variable, value)
-        if reason is not None:
-            self.refused[id(variable)] = reason
+        if self._refusal(optimizer, variable, value) is not None:
             return False
         value = tf.cast(value, variable.dtype)
         self.updates.setdefault(id(variable), []).append((value, sign))
@@ -80,9 +77,8 @@ class UpdateCapture:
             return "a sparse update"
         if tf.compat.v1.get_default_graph() is not self.graph:
             return "an update under a condition or loop"
-        if not tf.TensorShape(value.shape).is_compatible_with(variable.shape) \
-                or not value.shape.is_fully_defined() \
-                or value.shape != variable.shape:
+        if not value.shape.is_fully_defined() or \
+                value.shape != variable.shape:
             return "an update whose shape is not the variable's"
         reason = _tf_hooks.optimizer_refuses_capture(optimizer, variable)
         if reason is not None:

@@ -68,9 +68,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             pull replaces anyway: three passes over the model fewer per
             step. Updates that need the written variable within the step
             (moving averages, constraints, gradient accumulation, weight
-            decay, sparse updates, eager steps) are applied as usual. The variables then
-            trail the shards by the last step until a pull; `fit` pulls on
-            its way out. Defaults to True.
+            decay, sparse updates, eager steps) are applied as usual. The
+            variables then trail the shards by the last step until a pull;
+            `fit` pulls on its way out. Defaults to True.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",

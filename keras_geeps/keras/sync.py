@@ -110,26 +110,34 @@ class LayerTable:
         self.on_cpu = all("CPU" in v.device.upper() for v in variables)
         self.behind = False  # a captured update is not in the variables
         self.pulled_shared = None  # the pulled shard rows, if shared
-        self._buffers = [_aligned_empty(layout.total_size,
-                                        table.dtype) for _ in range(2)]
-        self._next = 0
-        self._uploads = None
-        self._next_upload = 0
+        self._reads = _BufferPair(layout.total_size, table.dtype)
+        self._uploads = _BufferPair(layout.total_size, table.dtype)
 
     def next_buffer(self):
-        buffer = self._buffers[self._next]
-        self._next ^= 1
-        return buffer
+        """A host buffer to read rows into (not the last one handed out)."""
+        return self._reads.next()
 
     def next_upload(self):
         """A host buffer for a captured update (when no shard lends one)."""
-        if self._uploads is None:
-            self._uploads = [_aligned_empty(self.layout.total_size,
-                                            self.table.dtype)
+        return self._uploads.next().reshape(self.table.rows, self.table.width)
+
+
+class _BufferPair:
+    """Two 64-byte aligned 1-D buffers, handed out in turn (allocated at the
+    first use): the one handed out last stays untouched meanwhile."""
+
+    def __init__(self, size, dtype):
+        self.size, self.dtype = size, dtype
+        self._buffers = None
+        self._next = 0
+
+    def next(self):
+        if self._buffers is None:
+            self._buffers = [_aligned_empty(self.size, self.dtype)
                              for _ in range(2)]
-        buffer = self._uploads[self._next_upload]
-        self._next_upload ^= 1
-        return buffer.reshape(self.table.rows, self.table.width)
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        return buffer
 
 
 class ParameterSync:
@@ -162,7 +170,6 @@ class ParameterSync:
         self._updated = None
         self.capture_updates = capture_updates
         self._capture = None       # the UpdateCapture of the step traced now
-        self._in_step = False      # a step is being traced
         self.captured_layers = []  # layers the last train step captures
         if capture_updates:
             _tf_hooks.install_update_capture(self)
@@ -201,7 +208,7 @@ class ParameterSync:
                 "GeePSStrategy cannot run inside an XLA-compiled function: "
                 "compile the model with jit_compile=False (Keras turns XLA on "
                 "by default when a GPU is visible)")
-        if self._in_step:
+        if self._updated is not None:
             # A step's own nested call_for_each_replica (LossScaleOptimizer
             # applies its inner optimizer through one): already wrapped.
             return call()
@@ -214,10 +221,8 @@ class ParameterSync:
         # of them anyway, and each py_function call costs ~0.1-0.3 ms.
         pulls = [tf.py_function(self._pull_all_op, [], tf.bool,
                                 name="geeps_pull")]
-        outer, self._updated = self._updated, set()
-        outer_capture = self._capture
+        self._updated = set()
         self._capture = self._new_capture(is_train_step)
-        self._in_step = True
         try:
             with tf.control_dependencies(pulls):
                 result = call()
@@ -228,9 +233,8 @@ class ParameterSync:
                 self.captured_layers = [self.tables[i].name
                                         for i in sorted(captured)]
         finally:
-            self._in_step = False
-            self._updated = outer
-            self._capture = outer_capture
+            self._updated = None  # no step is being traced
+            self._capture = None
         if is_train_step and not updated:
             raise GeePSError(
                 "the train step updated no parameter table through the "
@@ -412,29 +416,10 @@ class ParameterSync:
         started = time.perf_counter()
         layer = self.tables[index]
         table = layer.table
-        target = None
-        if update is not None or (values is None and layer.snapshot is not None
-                                  and layer.on_cpu):
-            with self.lock:  # memory a co-located shard reads, if any
-                target = self.client.update_target(table)
         if update is not None:
-            tensors, signs = update
-            scales = [sign * self.scale for sign in signs]
-            lent = None
-            if layer.pulled_shared is not None:
-                with self.lock:  # the table's only writer: new rows
-                    lent = self.client.lend_target(table)
-            if lent is not None:
-                ops.pack_tensors_into(tensors, layer.layout,
-                                      as_tensor(lent.reshape(-1)), scales,
-                                      base=layer.pulled_shared)
-                rows = lent
-            else:
-                rows = layer.next_upload() if target is None else target
-                ops.pack_tensors_into(tensors, layer.layout,
-                                      as_tensor(rows.reshape(-1)), scales)
-            layer.behind = True
-        elif target is not None:
+            rows = self._write_captured(layer, *update)
+        elif values is None and layer.snapshot is not None and layer.on_cpu \
+                and (target := self._update_target(table)) is not None:
             ops.pack_delta_into(layer.variables, layer.layout,
                                 layer.snapshot, as_tensor(target.reshape(-1)),
                                 scale=self.scale)
@@ -452,6 +437,29 @@ class ParameterSync:
         if index == 0:
             self.steps += 1
         self.push_seconds += time.perf_counter() - started
+
+    def _update_target(self, table):
+        with self.lock:  # memory a co-located shard reads, if any
+            return self.client.update_target(table)
+
+    def _write_captured(self, layer, tensors, signs):
+        """Writes a captured update where it will travel from; the rows."""
+        scales = [sign * self.scale for sign in signs]
+        layer.behind = True
+        if layer.pulled_shared is not None:
+            with self.lock:  # the table's only writer: its new rows
+                lent = self.client.lend_target(layer.table)
+            if lent is not None:
+                ops.pack_tensors_into(tensors, layer.layout,
+                                      as_tensor(lent.reshape(-1)), scales,
+                                      base=layer.pulled_shared)
+                return lent
+        rows = self._update_target(layer.table)
+        if rows is None:
+            rows = layer.next_upload()
+        ops.pack_tensors_into(tensors, layer.layout,
+                              as_tensor(rows.reshape(-1)), scales)
+        return rows
 
     def pull_all(self, full=False):
         """Eagerly pulls every table (`full`: wait for every worker's last
