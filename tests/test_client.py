@@ -1,12 +1,18 @@
 """The worker client against thread shards: reads, updates, slack, indexes."""
 
+import gc
+import os
+import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
-from keras_geeps.errors import GeePSTimeoutError
+from keras_geeps.errors import GeePSError, GeePSTimeoutError
+from keras_geeps.protocol import Message, MsgType
 from tests.worker_threads import run_clients
 
 
@@ -151,3 +157,121 @@ def test_worker_that_stops_clocking_is_named(thread_cluster):
     finally:
         done.set()
         thread.join(10)
+
+
+def test_a_push_sent_again_replaces_its_torn_chunks(thread_cluster):
+    # A shard that dies mid-push leaves its first chunks with the worker;
+    # restored, it pushes that age again: only the new chunks count.
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=2, heartbeat_interval=0) as client:
+        table = client.create_table("t", 8, 2)
+
+        def chunk(age, row, value, rows=4):
+            return Message(MsgType.PUSH, table.id, clk=age,
+                           arrays=[np.full((rows, 2), value, np.float32)],
+                           meta={"row_start": 0, "chunk_row": row})
+
+        client._on_rows(0, chunk(5, 0, 7.0))  # torn after its first chunk
+        client._on_rows(0, chunk(5, 0, 1.0))  # the same push again, whole
+        client._on_rows(0, chunk(5, 4, 1.0))
+        np.testing.assert_array_equal(client.read(table, clock=5),
+                                      np.ones((8, 2)))
+        client._on_rows(0, chunk(6, 4, 9.0))  # other chunking, then whole
+        client._on_rows(0, chunk(6, 0, 2.0, rows=8))
+        np.testing.assert_array_equal(client.read(table, clock=6),
+                                      np.full((8, 2), 2.0))
+        assert table.incoming[0][0] == -1  # nothing left half-assembled
+
+
+def _memfds():
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += "memfd:" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (listdir's own descriptor)
+            pass
+    return count
+
+
+def test_failed_construction_closes_what_it_opened():
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    spec = ClusterSpec([f"tcp://127.0.0.1:{port}"])
+    gc.collect()  # earlier tests' shards
+    memfds = _memfds()
+    threads = set(threading.enumerate())  # earlier tests' may linger
+    for _ in range(3):
+        with pytest.raises(GeePSTimeoutError, match="did not answer HELLO"):
+            GeePSClient(spec, timeout=0.3, shared_memory=True)
+    gc.collect()
+    assert _memfds() == memfds
+    assert not [t for t in set(threading.enumerate()) - threads
+                if t.name.startswith("geeps-io")]
+
+
+def test_closed_client_raises_a_clear_error_and_wakes_waiters(
+        thread_cluster):
+    cluster = thread_cluster(1, 2)
+    client = cluster.client(0, timeout=30)
+    other = cluster.client(1, timeout=30)
+    try:
+        table = client.create_table("t", 2, 2)
+        other.create_table("t", 2, 2)
+        client.clock()
+        errors = []
+
+        def blocked_read():  # waits for worker 1, which never clocks
+            try:
+                client.read(table)
+            except GeePSError as exc:
+                errors.append(exc)
+
+        reader = threading.Thread(target=blocked_read)
+        reader.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        client.close()
+        reader.join(10)
+        assert time.monotonic() - started < 8  # not the 30 s timeout
+        assert len(errors) == 1 and "client is closed" in str(errors[0])
+        assert not isinstance(errors[0], GeePSTimeoutError)
+        for call in (lambda: client.update(table, np.ones((2, 2))),
+                     client.clock, lambda: client.read(table),
+                     client.shard_stats,
+                     lambda: client.create_table("u", 2, 2)):
+            with pytest.raises(GeePSError, match="worker 0: the client is "
+                                                 "closed"):
+                call()
+        client.close()  # again: nothing happens
+    finally:
+        client.close()
+        other.close()
+
+
+def test_requests_that_time_out_leave_no_futures(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=0.5, heartbeat_interval=0) as client:
+        table = client.create_table("t", 2, 2)
+        cluster.stop()
+        with pytest.raises(GeePSTimeoutError, match="did not answer STATS"):
+            client.shard_stats()
+        with pytest.raises(GeePSTimeoutError, match="does not answer"):
+            client.read(table, clock=3)
+        assert client._io._futures == {}
+
+
+def test_row_chunks_fit_the_shards_message_limit(thread_cluster):
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    cluster = thread_cluster(2, 1, settings=ShardSettings(
+        max_message_bytes=256 << 10, shared_memory=False))
+    with cluster.client(0, timeout=20, shared_memory=False) as client:
+        assert client.chunk_bytes <= 256 << 10
+        init = np.arange(4096 * 256, dtype=np.float32).reshape(4096, 256)
+        table = client.create_table("big", 4096, 256, init=init)  # 4 MiB
+        client.update(table, np.ones((4096, 256), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table), init + 1)
+        with pytest.raises(ValueError, match="one row of 1048576 bytes"):
+            client.create_table("wide", 2, 1 << 18)

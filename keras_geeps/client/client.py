@@ -26,7 +26,7 @@ import numpy as np
 from keras_geeps import protocol, shm
 from keras_geeps.client.access import (AccessHandle, AccessPlan,
                                        VirtualIteration)
-from keras_geeps.client.connection import Future, IOThread
+from keras_geeps.client.connection import CLOSED, Future, IOThread
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import (GeePSError, GeePSTimeoutError,
                                 GeePSWorkerFailedError)
@@ -82,6 +82,11 @@ class PartRows:
         return self.chunks[0][1]
 
 
+def _no_push():
+    """The assembly state of a part no push is arriving for."""
+    return [-1, 0, {}, 0]
+
+
 class Table:
     """A worker's view of one parameter table (rows of fixed width).
 
@@ -111,7 +116,9 @@ class Table:
         self.ages = np.full(len(parts), -1, np.int64)
         self.last_read_age = -1     # data age of the last `read`
         self.last_read_ages = []    # ... of each part it touched
-        self.incoming = [[-1, 0, []] for _ in parts]  # age, rows, chunks
+        # The push being assembled per part: [age, rows received,
+        # {chunk_row: rows}, end of the furthest chunk].
+        self.incoming = [_no_push() for _ in parts]
         self.clock = 0
         # Shared buffers co-located shards read updates from:
         # [[shm.SharedBuffer, clock used, held by the log]].
@@ -205,27 +212,35 @@ class GeePSClient:
         self._recovering = {}  # shard -> DECLAREs still to be answered
         self._boundaries = {}  # (shard, table id) -> first clock not replayed
         self._curve = curve
-        if shared_memory is None:
-            shared_memory = shm.enabled_by_env() and shm.supported()
-        self._arena = shm.Arena() if shared_memory else None
+        self._closed = False
+        self._lost = {}  # shard -> why its tables are gone (restarted)
         self._shm_peers = {}   # shard -> (shm.PeerBuffers, its arena token)
         self._shm_upload = set()  # shards that map our update buffers
         self._releases = collections.deque()  # (shard, token, buffer id)
         self.shm_bytes_in = 0
         self.shm_bytes_out = 0
+        self._arena = self._io = None
+        self._keep_log = False  # set from the shards' welcomes
+        try:
+            self._connect(shared_memory, heartbeat_interval)
+        except BaseException:
+            self.close()  # the arena's descriptors, the I/O thread
+            raise
+
+    def _connect(self, shared_memory, heartbeat_interval):
+        """Opens the arena and the connections, and greets every shard."""
+        if shared_memory is None:
+            shared_memory = shm.enabled_by_env() and shm.supported()
+        self._arena = shm.Arena() if shared_memory else None
         self._io = IOThread(self.cluster.shards, self._on_rows,
                             on_error=self._on_error_code,
-                            worker_id=self.worker_id, curve=curve,
+                            worker_id=self.worker_id, curve=self._curve,
                             name=f"geeps-io-w{self.worker_id}",
                             on_turn=self._flush_releases)
         self._incarnation = int.from_bytes(os.urandom(6), "little")
-        try:
-            welcomes = self._request_all([
-                (shard, self._hello_message())
-                for shard in range(self.cluster.num_shards)], "HELLO")
-        except BaseException:
-            self._io.close()
-            raise
+        welcomes = self._request_all([
+            (shard, self._hello_message())
+            for shard in range(self.cluster.num_shards)], "HELLO")
         for shard, welcome in enumerate(welcomes):
             self._on_welcome(shard, welcome)
         # Keep sent updates for replay only when shards write checkpoints.
@@ -241,6 +256,12 @@ class GeePSClient:
             log.warning("slack %d capped to %d by the shards' "
                         "max_pending_clocks", self.slack, bound)
             self.slack = bound
+        # A shard drops the connection of a peer whose frame exceeds its
+        # max_message_bytes: row chunks stay within the smallest limit.
+        self.max_frame_bytes = min(
+            w.meta.get("max_message_bytes", protocol.MAX_MESSAGE_BYTES)
+            for w in welcomes)
+        self.chunk_bytes = min(self.chunk_bytes, self.max_frame_bytes)
 
     # --------------------------------------------------------- plumbing
     def _next_seq(self, shard):
@@ -248,6 +269,13 @@ class GeePSClient:
             return next(self._seqs[shard])
 
     def _send(self, shard, message, future=None):
+        if self._closed:
+            raise self._closed_error()
+        self._queue(shard, message, future)
+
+    def _queue(self, shard, message, future=None):
+        """Numbers `message` and hands it to the I/O thread (which may
+        still send while it closes)."""
         message.worker = self.worker_id
         message.seq = self._next_seq(shard)
         self._io.send(shard, message, future)
@@ -311,7 +339,8 @@ class GeePSClient:
             shard, token, buffer_id = self._releases.popleft()
             batches.setdefault((shard, token), []).append(buffer_id)
         for (shard, token), buffers in batches.items():
-            self._send(shard, Message(MsgType.RELEASE, meta={
+            # _queue: the I/O thread's last turn, on close, sends them too.
+            self._queue(shard, Message(MsgType.RELEASE, meta={
                 "arena": token, "buffers": buffers}))
 
     def _upload_entry(self, table, clock):
@@ -407,16 +436,33 @@ class GeePSClient:
         return array
 
     def _request_all(self, requests, what):
-        """Sends [(shard, message)] and waits for every reply (bounded)."""
+        """Sends [(shard, message)] and waits for every reply (bounded).
+
+        An error the I/O thread queues meanwhile (a restarted shard, a dead
+        worker) is raised at once, not after the timeout.
+        """
         futures = []
-        for shard, message in requests:
-            future = Future()
-            self._send(shard, message, future)
-            futures.append((shard, future))
-        deadline = time.monotonic() + self.timeout
-        replies = []
-        for shard, future in futures:
-            if not future.event.wait(max(0.0, deadline - time.monotonic())):
+        try:
+            for shard, message in requests:
+                future = Future()
+                self._send(shard, message, future)
+                futures.append(future)
+            deadline = time.monotonic() + self.timeout
+            for future in futures:
+                self._await_reply(future, deadline, what)
+            return [future.message for future in futures]
+        finally:  # unanswered ones are waited for no more
+            self._io.forget(futures)
+
+    def _await_reply(self, future, deadline, what):
+        while not future.event.wait(
+                min(0.1, max(0.0, deadline - time.monotonic()))):
+            if self._closed:
+                raise self._closed_error()
+            if self._io.errors:
+                raise self._io.errors.popleft()
+            if time.monotonic() >= deadline:
+                shard = future.shard
                 hint = (" (if it requires CURVE keys: are this worker's keys"
                         " allowed?)" if self._curve is not None else
                         " (or does it require CURVE keys?)")
@@ -424,14 +470,24 @@ class GeePSClient:
                     f"worker {self.worker_id}: shard {shard} "
                     f"({self.cluster.shards[shard]}) did not answer {what} "
                     f"within {self.timeout:.1f} s: is it running?{hint}")
-            if future.error is not None:
-                raise future.error
-            replies.append(future.message)
-        return replies
+        if self._closed:
+            raise self._closed_error()
+        if future.error is not None:
+            raise future.error
 
     def _raise_async_errors(self):
+        """Raises what went wrong since: the client was closed, an error
+        the I/O thread queued, or a shard whose tables are lost."""
+        if self._closed:
+            raise self._closed_error()
         if self._io.errors:
             raise self._io.errors.popleft()
+        lost = list(self._lost.values())  # the I/O thread adds to it
+        if lost:
+            raise GeePSError(lost[0])
+
+    def _closed_error(self):
+        return GeePSError(f"worker {self.worker_id}: {CLOSED}")
 
     # ----------------------------------------------------------- tables
     def create_table(self, name, rows, width, dtype="float32", init=None):
@@ -461,6 +517,11 @@ class GeePSClient:
             raise ValueError(f"table {name!r}: rows must be >= 0 and width "
                              f">= 1, got {rows} x {width}")
         dtype = protocol.numpy_dtype(protocol.dtype_name(dtype))
+        if width * dtype.itemsize > self.max_frame_bytes:
+            raise ValueError(f"table {name!r}: one row of "
+                             f"{width * dtype.itemsize} bytes exceeds the "
+                             f"shards' max_message_bytes "
+                             f"({self.max_frame_bytes}); use narrower rows")
         parts = self._partitioner.place(rows, width * dtype.itemsize)
         table = Table(len(self._tables), name, rows, width, dtype, parts,
                       self.read_my_writes)
@@ -596,15 +657,19 @@ class GeePSClient:
                 for clk in [c for c in table.log if c < covered]:
                     del table.log[clk]
         incoming = table.incoming[part]
-        if incoming[0] != message.clk:
-            incoming[:] = [message.clk, 0, []]
-        incoming[2].append((begin, rows))
+        # A shard sends a push's chunks in row order: a chunk that starts
+        # before the rows received so far end begins the push again (a
+        # restarted shard resending the age a torn push had).
+        if incoming[0] != message.clk or begin < incoming[3]:
+            incoming[:] = [message.clk, 0, {}, 0]
+        incoming[2][begin] = rows
         incoming[1] += rows.shape[0]
+        incoming[3] = begin + rows.shape[0]
         if incoming[1] < end - start:
             return
         age = message.clk
-        fresh = PartRows(sorted(incoming[2], key=lambda c: c[0]))
-        incoming[:] = [-1, 0, []]
+        fresh = PartRows(sorted(incoming[2].items()))
+        incoming[:] = _no_push()
         with table.lock:
             if age > table.ages[part]:
                 if table.read_my_writes:  # replay own, uncovered updates
@@ -629,6 +694,8 @@ class GeePSClient:
         text = message.meta.get("error", "")
         if code == protocol.ERROR_HELLO_REQUIRED:
             self._recover(shard)  # stale requests after a restart land here
+            if future is not None:
+                self._resend_after_recovery(shard, future)
             return
         error = (GeePSWorkerFailedError(f"shard {shard}: {text}")
                  if code == protocol.ERROR_WORKER_DEAD
@@ -639,6 +706,21 @@ class GeePSClient:
             self._io.errors.append(error)
         with self._cond:
             self._cond.notify_all()
+
+    def _resend_after_recovery(self, shard, future):
+        """A request a restarted shard refused (it had not seen this
+        worker's HELLO): sent again once the shard is recovered, or failed
+        at once with the reason it cannot be (I/O thread)."""
+        if shard in self._lost:
+            future.set(error=GeePSError(self._lost[shard]))
+        elif future.callback is not None or shard not in self._io.held:
+            # One of the recovery's own requests: it restarted once more.
+            future.set(error=GeePSError(
+                f"shard {shard} ({self.cluster.shards[shard]}) refused "
+                f"{future.request.type.name} of worker {self.worker_id}: it "
+                f"restarted again while being recovered"))
+        else:
+            self._io.requeue(shard, future)
 
     def _fail(self, error):
         self._io.errors.append(error)
@@ -654,19 +736,25 @@ class GeePSClient:
         checkpoint covers are never resent, those it does not are resent
         once: nothing is lost or applied twice.
         """
-        if shard in self._recovering:
+        if shard in self._recovering or shard in self._lost:
             return
         address = self.cluster.shards[shard]
         if not self._keep_log:
-            self._fail(GeePSError(
-                f"shard {shard} ({address}) restarted, but the shards write "
-                f"no checkpoints (--checkpoint-every): its tables are lost"))
+            # Raised once where a caller waits, then by every later call.
+            reason = (f"shard {shard} ({address}) restarted, but the shards "
+                      f"write no checkpoints (--checkpoint-every): its tables"
+                      f" are lost")
+            log.error("worker %d: %s", self.worker_id, reason)
+            self._lost[shard] = reason
+            self._fail(GeePSError(reason))
             return
         log.warning("worker %d: shard %d (%s) restarted; recovering",
                     self.worker_id, shard, address)
         self._io.held.add(shard)
         parts = [(table, part) for table in self._tables
                  for part, (s, _, _) in enumerate(table.parts) if s == shard]
+        for table, part in parts:  # a push torn by the restart: dropped
+            table.incoming[part] = _no_push()
         self._recovering[shard] = len(parts)
         hello = self._hello_message()
         hello.worker, hello.seq = self.worker_id, self._next_seq(shard)
@@ -868,8 +956,11 @@ class GeePSClient:
                 of as many elements.
             copy: if False and this is the table's first whole-table update
                 of the clock, the client keeps `delta` itself and sends it
-                without copying; the caller must not change it afterwards.
-                Defaults to True.
+                without copying; the caller must not change it until the
+                shards applied it (a read at a later clock waits for that).
+                Where the client keeps updates longer (the replay log of
+                checkpointing shards, read-my-writes) it keeps a copy, so
+                the caller may then reuse the buffer. Defaults to True.
         """
         self._raise_async_errors()
         handle = self.handle_for(what)
@@ -935,10 +1026,13 @@ class GeePSClient:
                 table.clock += 1
 
     def _send_update(self, table):
+        """Sends this clock's update of `table`; returns it (the array the
+        replay log may keep), or None when there is none."""
         with table.lock:
             buffer = table.update_buffer
             if buffer is None:
                 return None
+            buffer = self._kept_update(table, buffer)
             table.update_buffer = None
             if table.read_my_writes:
                 table.own[table.clock] = buffer
@@ -965,6 +1059,19 @@ class GeePSClient:
                                                  start, end):
                 self._send(shard, message)
         return buffer
+
+    def _kept_update(self, table, buffer):
+        """`buffer`, or a copy of it where this client keeps the update past
+        this clock (the replay log, read-my-writes) but the caller owns the
+        memory (`update(..., copy=False)`) and may reuse it. The shared
+        buffers `update_target` / `lend_target` gave out are this client's:
+        the log holds them without a copy."""
+        if table.update_owned or not (self._keep_log or table.read_my_writes):
+            return buffer
+        for given in (table.upload_target, table.lent_target):
+            if given is not None and _same_memory(buffer, given[0]):
+                return buffer
+        return buffer.copy()
 
     def _shared_update(self, table, buffer):
         """The upload entry holding `buffer`'s rows for co-located shards:
@@ -1021,7 +1128,9 @@ class GeePSClient:
             address = self.cluster.shards[shard]
             future = Future()
             self._send(shard, Message(MsgType.STATS), future)
-            if not future.event.wait(min(5.0, self.timeout)) or future.error:
+            answered = future.event.wait(min(5.0, self.timeout))
+            self._io.forget([future])
+            if not answered or future.error:
                 lines.append(f"shard {shard} ({address}) does not answer: it "
                              f"is dead or unreachable")
                 continue
@@ -1049,8 +1158,16 @@ class GeePSClient:
                            for s in range(self.cluster.num_shards)], "STOP")
 
     def close(self):
-        """Closes the connections; the client is unusable afterwards."""
-        self._io.close()
+        """Closes the connections; the client is unusable afterwards.
+
+        Threads waiting in the client, and every later call, raise
+        `GeePSError` ("... the client is closed").
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()  # wake `wait_fresh`
+        if self._io is not None:
+            self._io.close()  # fails the requests still waiting
         if self._arena is not None:
             self._arena.close()
 

@@ -16,10 +16,12 @@ import time
 import zmq
 
 from keras_geeps import protocol
-from keras_geeps.errors import GeePSServerError
+from keras_geeps.errors import GeePSError, GeePSServerError
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 
 log = logging.getLogger("keras_geeps.client")
+
+CLOSED = "the client is closed"
 
 
 class Future:
@@ -28,21 +30,33 @@ class Future:
     Args:
         callback: optional `callback(message, error)` run in the I/O thread
             when the reply arrives (it may send with `IOThread.send_now`).
+
+    Attributes:
+        shard, request: where the request went and the request itself (set
+            when it is sent), so that it can be sent again or forgotten.
     """
 
-    __slots__ = ("event", "message", "error", "callback")
+    __slots__ = ("event", "message", "error", "callback", "shard",
+                 "request")
 
     def __init__(self, callback=None):
         self.event = threading.Event()
         self.message = None
         self.error = None
         self.callback = callback
+        self.shard = None
+        self.request = None
 
     def set(self, message=None, error=None):
         self.message, self.error = message, error
         self.event.set()
         if self.callback is not None:
             self.callback(message, error)
+
+    def cancel(self, error):
+        """Fails the future without running its callback (on close)."""
+        self.message, self.error = None, error
+        self.event.set()
 
 
 class IOThread:
@@ -52,8 +66,9 @@ class IOThread:
         addresses: the shard addresses, index = shard id.
         on_rows: called as on_rows(shard, message) in this thread for every
             PUSH and ROWS message.
-        on_error: called as on_error(shard, message) in this thread for an
-            ERROR that carries a `code` (shard restarted, worker dead).
+        on_error: called as on_error(shard, message, future) in this thread
+            for an ERROR that carries a `code` (shard restarted, worker
+            dead); `future` is the refused request's, or None.
         worker_id: this worker's id (heartbeats carry it).
         heartbeat_interval: seconds between heartbeats; 0 sends none
             (set `heartbeat_interval` later to start them, e.g. once the
@@ -102,20 +117,44 @@ class IOThread:
         self._thread.start()
 
     def send(self, shard, message, future=None):
-        """Queues `message` for `shard`; `future` receives the reply."""
+        """Queues `message` for `shard`; `future` receives the reply.
+
+        Raises:
+            GeePSError: the connections are closed.
+        """
+        if self._stop and threading.current_thread() is not self._thread:
+            raise GeePSError(CLOSED)
         frames = protocol.encode(message)
-        if future is not None:
-            with self._lock:
-                self._futures[(shard, message.seq)] = future
+        self._register(shard, message, future)
         self._outbox.append((shard, frames, message))
         self._ring()
 
     def send_now(self, shard, message, future=None):
         """Sends at once, ahead of held traffic (I/O thread only)."""
+        self._register(shard, message, future)
+        self._write(shard, protocol.encode(message))
+
+    def _register(self, shard, message, future):
         if future is not None:
+            future.shard, future.request = shard, message
             with self._lock:
                 self._futures[(shard, message.seq)] = future
-        self._write(shard, protocol.encode(message))
+
+    def requeue(self, shard, future):
+        """Holds a request `shard` refused until `shard` is released
+        (I/O thread only); it is then sent again, in its original order."""
+        self._register(shard, future.request, future)
+        self._backlog[shard].append((None, future.request))
+
+    def forget(self, futures):
+        """Drops the futures of requests nobody waits for any more."""
+        with self._lock:
+            for future in futures:
+                if future.request is None:
+                    continue
+                key = (future.shard, future.request.seq)
+                if self._futures.get(key) is future:
+                    del self._futures[key]
 
     def release(self, shard, next_seq, drop=None):
         """Sends the traffic held for `shard` (I/O thread only).
@@ -125,7 +164,11 @@ class IOThread:
         this worker's requests from the HELLO that preceded the release.
         """
         self.held.discard(shard)
-        for _, message in self._backlog.pop(shard, []):
+        # By original sequence number: refused requests that were sent
+        # again (`requeue`) go before what was queued after them.
+        backlog = sorted(self._backlog.pop(shard, []),
+                         key=lambda entry: entry[1].seq)
+        for _, message in backlog:
             if drop is not None and drop(message):
                 continue
             with self._lock:
@@ -137,13 +180,16 @@ class IOThread:
 
     def _ring(self):
         with self._doorbell_lock:
+            if self._doorbell.closed:
+                raise GeePSError(CLOSED)
             try:
                 self._doorbell.send(b"", zmq.NOBLOCK)
             except zmq.Again:
                 pass  # rings are queued already: the thread will wake
 
     def close(self, timeout=5.0):
-        """Stops the thread and closes every socket."""
+        """Stops the thread, closes every socket and fails every request
+        still waiting for a reply."""
         if self._stop:
             return
         self._stop = True
@@ -152,6 +198,10 @@ class IOThread:
         with self._doorbell_lock:
             self._doorbell.close(linger=0)
         self._context.term()
+        with self._lock:
+            futures, self._futures = list(self._futures.values()), {}
+        for future in futures:
+            future.cancel(GeePSError(CLOSED))
 
     def _run(self):
         poller = zmq.Poller()
