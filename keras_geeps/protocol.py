@@ -322,8 +322,12 @@ def decode(frames, max_message_bytes=MAX_MESSAGE_BYTES):
             raise ProtocolError(f"frame {index}: header says {dtype.name}"
                                 f"{list(shape)} = {expected} bytes, but "
                                 f"{buffer.nbytes} bytes arrived")
-        arrays.append(np.frombuffer(buffer, dtype=dtype).reshape(shape)
-                      if expected else np.zeros(shape, dtype))
+        try:
+            arrays.append(np.frombuffer(buffer, dtype=dtype).reshape(shape)
+                          if expected else np.zeros(shape, dtype))
+        except ValueError as exc:  # e.g. [0, 2**40, 2**40]: too big a shape
+            raise ProtocolError(f"frame {index}: shape {list(shape)}: "
+                                f"{exc}") from None
     return Message(msg_type, header["table"], header["clk"], header["worker"],
                    header["seq"], arrays, header["meta"])
 

@@ -117,6 +117,14 @@ class RequestError(Exception):
         self.code = code
 
 
+# How long after the job's first HELLO (or a restore) a worker that never
+# said HELLO counts as dead, when it exceeds worker_timeout: room to start.
+STARTUP_GRACE_S = 60.0
+# How long a stopping shard waits for the checkpoint being written.
+WRITER_JOIN_S = 60.0
+# The longest wait before retrying a checkpoint whose write failed.
+WRITER_BACKOFF_MAX_S = 60.0
+
 DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
 
 
@@ -134,6 +142,7 @@ class _Table:
         self.initialised = np.zeros(self.local_rows, bool)
         self.ready = self.local_rows == 0
         self.vclock = np.zeros(num_workers, np.int64)
+        self.updated = np.full(num_workers, -1, np.int64)  # last clock sent
         self.global_clock = 0
         self.pending = {}  # clock >= global_clock -> _Pending
         self.subscribers = set()
@@ -253,6 +262,31 @@ class _BufferPool:
         self.shared[id(array)] = shared
         return array
 
+    @property
+    def nbytes(self):
+        """Bytes of the free buffers kept (for reuse, or still being sent)."""
+        return len(self.free) * int(np.prod(self.shape)) * self.dtype.itemsize
+
+    def has_reusable(self):
+        """Whether `get` would hand out a kept buffer (no new memory)."""
+        return any(self._reusable(*entry) for entry in self.free)
+
+    def shrink(self):
+        """Drops every free buffer nothing reads any more."""
+        kept = []
+        for buffer, trackers in self.free:
+            if self._reusable(buffer, trackers):
+                self.discard(buffer)
+            else:
+                kept.append((buffer, trackers))
+        self.free = kept
+
+    def discard(self, buffer):
+        """Drops `buffer` for good (never handed out again)."""
+        shared = self.shared.pop(id(buffer), None)
+        if shared is not None:
+            shared.close()
+
     def put(self, buffer, trackers=()):
         if self.arena is not None and id(buffer) not in self.shared:
             return  # e.g. the first rows: keep only shareable buffers
@@ -326,20 +360,6 @@ class ShardServer:
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.settings = settings or ShardSettings()
-        self._context = zmq.Context(io_threads=protocol.IO_THREADS)
-        self._auth = None
-        if curve is not None:
-            from keras_geeps.auth import ShardAuth  # noqa: PLC0415
-            self._auth = ShardAuth(self._context, *curve)
-        self._socket = self._context.socket(zmq.ROUTER)
-        if self._auth is not None:
-            self._auth.apply(self._socket)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._socket.setsockopt(zmq.SNDHWM, 0)
-        self._socket.setsockopt(zmq.RCVHWM, 0)
-        self._socket.bind(bind)
-        self.address = self._socket.getsockopt(zmq.LAST_ENDPOINT).decode()
         self._tables = {}
         self._identities = {}     # worker id -> routing identity
         self._incarnations = {}   # worker id -> incarnation number
@@ -348,14 +368,15 @@ class ShardServer:
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
+        self._started = None      # first HELLO or restore: liveness watch
         self._failed = None       # the error every request gets ("stop")
         self._writer = None       # the checkpoint-writing thread
         self._ckpt_requests = []  # (identity, seq) waiting for a CHECKPOINT
         self._writer_acks = 0     # how many of them the writer covers
+        self._writer_backoff = 0.0  # after failed writes: seconds to wait
+        self._writer_retry_at = 0.0
         self._stop = threading.Event()
         self._thread = None
-        # Shared memory with co-located workers (keras_geeps.shm).
-        self._arena = shm.Arena() if self.settings.shared_memory else None
         self._shm_writers = {}    # worker id -> shm.PeerBuffers (updates)
         self._shm_readers = set()  # workers that map our row buffers
         self._holds = {}          # buffer id -> {worker: refs not released}
@@ -364,8 +385,36 @@ class ShardServer:
                       "pushes": 0, "checkpoints": 0, "restored_clock": -1,
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
                       "lent_updates": 0}
-        if restore:
-            self._restore()
+        self._context = zmq.Context(io_threads=protocol.IO_THREADS)
+        self._auth = self._socket = self._arena = None
+        try:
+            if curve is not None:
+                from keras_geeps.auth import ShardAuth  # noqa: PLC0415
+                self._auth = ShardAuth(self._context, *curve)
+            self._socket = self._context.socket(zmq.ROUTER)
+            if self._auth is not None:
+                self._auth.apply(self._socket)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            self._socket.setsockopt(zmq.SNDHWM, 0)
+            self._socket.setsockopt(zmq.RCVHWM, 0)
+            # No frame larger than a whole message is taken in: libzmq
+            # drops the connection of a peer that sends one before it is
+            # buffered (room left for the header and CURVE's overhead).
+            self._socket.setsockopt(zmq.MAXMSGSIZE,
+                                    self.settings.max_message_bytes
+                                    + protocol.MAX_HEADER_BYTES)
+            self._socket.bind(bind)
+            self.address = self._socket.getsockopt(
+                zmq.LAST_ENDPOINT).decode()
+            # Shared memory with co-located workers (keras_geeps.shm).
+            if self.settings.shared_memory:
+                self._arena = shm.Arena()
+            if restore:
+                self._restore()
+        except BaseException:  # nothing left open: no thread, no port
+            self._close()
+            raise
 
     # ----------------------------------------------------------- running
     def start(self):
@@ -409,14 +458,22 @@ class ShardServer:
                         break
         finally:
             if self._writer is not None:
-                self._writer.join()
-            self._socket.close(linger=0)
-            if self._arena is not None:
-                self._arena.close()
-            if self._auth is not None:
-                self._auth.stop()
-            self._context.term()
+                self._writer.join(WRITER_JOIN_S)
+                if self._writer.is_alive():
+                    log.error("shard %d: the checkpoint being written did "
+                              "not finish within %g s", self.shard_id,
+                              WRITER_JOIN_S)
+            self._close()
             log.info("shard %d stopped", self.shard_id)
+
+    def _close(self):
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        if self._arena is not None:
+            self._arena.close()
+        if self._auth is not None:
+            self._auth.stop()
+        self._context.term()
 
     # ---------------------------------------------------------- dispatch
     def _dispatch(self, frames):
@@ -466,6 +523,19 @@ class ShardServer:
             return None
 
     def _handle(self, identity, message):
+        worker = message.worker
+        try:
+            self._handle_request(identity, message)
+        finally:
+            # Every sequence number a registered worker's connection used is
+            # answered for good, refusals and admin requests included (the
+            # worker fails on an ERROR, it never resends one): mark them
+            # all, so the tracker keeps no gaps and its memory stays flat.
+            if worker in self._seqs and \
+                    self._identities.get(worker) == identity:
+                self._seqs[worker].mark(message.seq)
+
+    def _handle_request(self, identity, message):
         kind = message.type
         if kind == MsgType.STATS:
             self._send(identity, Message(
@@ -497,7 +567,6 @@ class ShardServer:
             return
         if kind == MsgType.RELEASE:
             self._release(worker, message)
-            self._seqs[worker].mark(message.seq)  # no gaps in the tracker
             return
         handler = {
             MsgType.CREATE: self._create,
@@ -508,21 +577,14 @@ class ShardServer:
         }.get(kind)
         if handler is None:
             raise RequestError(f"{kind.name} is not a request a shard takes")
-        tracker = self._seqs[worker]
-        if kind in (MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK):
-            if tracker.seen(message.seq):  # a resend: done already
-                self.stats["duplicates"] += 1
-                if kind != MsgType.UPDATE:
-                    self._send(identity, Message(
-                        MsgType.ACK, table=message.table, seq=message.seq))
-                return
-            handler(identity, message)
-            tracker.mark(message.seq)
-        else:
-            try:
-                handler(identity, message)
-            finally:  # reads and declares are not resent: no gaps kept
-                tracker.mark(message.seq)
+        if kind in (MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK) and \
+                self._seqs[worker].seen(message.seq):  # a resend: done
+            self.stats["duplicates"] += 1
+            if kind != MsgType.UPDATE:
+                self._send(identity, Message(
+                    MsgType.ACK, table=message.table, seq=message.seq))
+            return
+        handler(identity, message)
 
     # ---------------------------------------------------------- requests
     def _hello(self, identity, message):
@@ -535,7 +597,8 @@ class ShardServer:
                                    f"{mine}")
         worker = message.worker
         incarnation = meta.get("incarnation", 0)
-        if self._incarnations.get(worker) != incarnation:
+        previous = self._incarnations.get(worker)
+        if previous != incarnation:
             # A new worker process (or this shard is new): its requests are
             # numbered from its HELLO on.
             self._seqs[worker] = _SeqTracker(message.seq)
@@ -543,8 +606,12 @@ class ShardServer:
             self._forget_shm(worker)
             if worker in self._dead:
                 self._rejoin(worker)
+            elif previous is not None:
+                self._restarted(worker)
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
+        if self._started is None:
+            self._started = self._last_seen[worker]
         welcome = {
             "shard_id": self.shard_id, "num_shards": self.num_shards,
             "num_workers": self.num_workers,
@@ -564,6 +631,8 @@ class ShardServer:
     # ------------------------------------------------------ shared memory
     def _new_table(self, table_id, spec):
         table = _Table(table_id, spec, self.num_workers)
+        for worker in self._dead:  # the clock never waits for them
+            table.vclock[worker] = DEAD_CLOCK
         table.pool = _BufferPool((table.local_rows, table.width),
                                  table.dtype, self._arena, self._held)
         return table
@@ -578,7 +647,8 @@ class ShardServer:
         """A new or dead worker process holds none of our buffers."""
         for table in self._tables.values():
             if table.lent is not None and table.lent[1] == worker:
-                self._end_lend(table)
+                # Never reused: a hung old process may still write into it.
+                self._end_lend(table, reuse=False)
         self._shm_writers.pop(worker, None)
         self._shm_readers.discard(worker)
         for holders in self._holds.values():
@@ -646,18 +716,42 @@ class ShardServer:
                                f"limit (max_tables)")
         nbytes = ((spec["row_end"] - spec["row_start"]) * spec["width"]
                   * protocol.numpy_dtype(spec["dtype"]).itemsize)
-        if self._held_bytes() + nbytes > self.settings.max_table_bytes:
+        if not self._room_for(2 * nbytes):  # its rows + a clock's updates
             raise RequestError(f"table {message.table} of {nbytes} bytes "
+                               f"(twice that with a clock's updates) "
                                f"exceeds the shard's memory limit "
                                f"(max_table_bytes="
-                               f"{self.settings.max_table_bytes})")
+                               f"{self.settings.max_table_bytes}, "
+                               f"{self._held_bytes()} bytes held)")
         table = self._new_table(message.table, spec)
         self._tables[message.table] = table
         return table
 
     def _held_bytes(self):
-        return sum(t.nbytes * (2 + len(t.pending) + (t.lent is not None))
-                   for t in self._tables.values())
+        """Bytes of rows held: each table's rows, its pending clocks, lent
+        buffer, checkpoint snapshot, and the pooled buffers it keeps for
+        reuse (or that sends to slow readers still use)."""
+        total = 0
+        for t in self._tables.values():
+            copies = (1 + len(t.pending) + (t.lent is not None)
+                      + len(t.pool.free))
+            if t.snapshot is not None and t.snapshot[1] is not t.data:
+                copies += 1
+            total += t.nbytes * copies
+        return total
+
+    def _room_for(self, nbytes, table=None):
+        """Whether `nbytes` more fit within max_table_bytes, once pooled
+        buffers nothing reads are dropped. A buffer `table`'s pool hands
+        out again costs nothing."""
+        if table is not None and table.pool.has_reusable():
+            return True
+        limit = self.settings.max_table_bytes
+        if self._held_bytes() + nbytes <= limit:
+            return True
+        for t in self._tables.values():
+            t.pool.shrink()
+        return self._held_bytes() + nbytes <= limit
 
     def _note_reader(self, message):
         if message.meta.get("shm") and message.worker in self._shm_writers:
@@ -693,6 +787,7 @@ class ShardServer:
             for worker in table.subscribers:
                 if worker != message.worker:
                     self._push(table, worker)
+            self._maybe_advance(table)  # clocks that came before the rows
             self._serve_parked()
 
     def _declare(self, identity, message):
@@ -777,6 +872,7 @@ class ShardServer:
                                    f"outside [0, {table.local_rows})")
         elif "into" in message.meta:
             self._adopt_lent(table, worker, clk, message)
+            table.updated[worker] = clk
             self.stats["updates_applied"] += 1
             return
         else:
@@ -794,10 +890,13 @@ class ShardServer:
                 row += array.shape[0]
         pending = table.pending.get(clk)
         if pending is None:
-            if (self._held_bytes() + table.nbytes
-                    > self.settings.max_table_bytes):
-                raise RequestError(f"no memory for clock {clk} updates of "
-                                   f"table {table.id} (max_table_bytes)")
+            if not self._room_for(table.nbytes, table):
+                raise RequestError(
+                    f"no memory for clock {clk} updates of table {table.id} "
+                    f"(max_table_bytes={self.settings.max_table_bytes}, "
+                    f"{self._held_bytes()} bytes held, "
+                    f"{sum(t.pool.nbytes for t in self._tables.values())} "
+                    f"of them still being sent to slow readers)")
             base = table.data if clk == table.global_clock else None
             pending = table.pending[clk] = _Pending(table.pool.get(), base)
         if indexed:
@@ -809,6 +908,7 @@ class ShardServer:
                 row += array.shape[0]
         # No ACK per update: requests are handled in order, so the ACK of
         # the CLOCK that follows acknowledges every update before it.
+        table.updated[worker] = clk
         self.stats["updates_applied"] += 1
 
     def _adopt_lent(self, table, worker, clk, message):
@@ -842,7 +942,7 @@ class ShardServer:
                                                          worker):
             return table.lent[3]
         self._end_lend(table)
-        if self._held_bytes() + table.nbytes > self.settings.max_table_bytes:
+        if not self._room_for(table.nbytes, table):
             return None  # the update will come as usual, within the limit
         rows = table.pool.get()
         shared = self._shared_buffer(table, rows)
@@ -852,11 +952,14 @@ class ShardServer:
         table.lent = (table.global_clock, worker, rows, shared)
         return shared
 
-    def _end_lend(self, table):
+    def _end_lend(self, table, reuse=True):
         """Takes back an unused lent buffer (its clock passed, or its
-        worker is gone)."""
+        worker is gone: then it is dropped, not reused)."""
         if table.lent is not None:
-            table.pool.put(table.lent[2])
+            if reuse:
+                table.pool.put(table.lent[2])
+            else:
+                table.pool.discard(table.lent[2])
             table.lent = None
 
     def _clock(self, identity, message):
@@ -875,6 +978,8 @@ class ShardServer:
         self._maybe_advance(table)
 
     def _maybe_advance(self, table):
+        if not table.ready:  # clocks wait for the initial rows
+            return
         new_global = int(table.vclock.min())
         if new_global > table.global_clock and new_global < DEAD_CLOCK:
             self._advance(table, new_global)
@@ -943,7 +1048,8 @@ class ShardServer:
         for start, end in self._chunks(table):
             trackers += self._send_chunk(table, identities, kind, seq, data,
                                          start, end)
-        self._trackers.setdefault(id(data), []).extend(trackers)
+        sending = [t for t in self._trackers.get(id(data), ()) if not t.done]
+        self._trackers[id(data)] = sending + trackers
         return trackers
 
     def _send_ref(self, table, identity, worker, kind, seq, shared, data):
@@ -998,13 +1104,19 @@ class ShardServer:
                 if table is not None:
                     table.ckpt_clock = max(table.ckpt_clock, clock)
             self.stats["checkpoints"] += ok
+            # A failing disk is retried after 1, 2, 4 ... 60 s, not every
+            # turn of the loop.
+            self._writer_backoff = 0.0 if ok else min(
+                WRITER_BACKOFF_MAX_S, max(1.0, 2 * self._writer_backoff))
+            self._writer_retry_at = time.monotonic() + self._writer_backoff
             for identity, seq in self._ckpt_requests[:self._writer_acks]:
                 self._send(identity, Message(MsgType.ACK, seq=seq) if ok
                            else Message(MsgType.ERROR, seq=seq, meta={
                                "error": "writing the checkpoint failed; "
                                         "see the shard's log"}))
             del self._ckpt_requests[:self._writer_acks]
-        if self._writer is None:
+        if self._writer is None and time.monotonic() >= \
+                self._writer_retry_at:
             snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
                          for t in self._tables.values()
                          if t.snapshot is not None}
@@ -1012,13 +1124,32 @@ class ShardServer:
                     clock > self._tables[tid].ckpt_clock
                     for tid, (_, clock, _) in snapshots.items()):
                 self._start_writer(snapshots)
+        self._watch_workers()
+
+    def _watch_workers(self):
+        """Declares dead the workers silent for longer than worker_timeout,
+        and those that never said HELLO within STARTUP_GRACE_S of the job's
+        first HELLO (or of this shard's restore)."""
         timeout = self.settings.worker_timeout
-        if timeout and self._failed is None:
-            now = time.monotonic()
-            for worker in list(self._identities):
-                if worker not in self._dead and \
-                        now - self._last_seen.get(worker, now) > timeout:
-                    self._worker_died(worker, now - self._last_seen[worker])
+        if not timeout or self._started is None:
+            return
+        now = time.monotonic()
+        for worker in range(self.num_workers):
+            if self._failed is not None:
+                return
+            if worker in self._dead:
+                continue
+            seen = self._last_seen.get(worker)
+            if seen is not None and now - seen > timeout:
+                self._worker_died(worker, (
+                    f"worker {worker} sent nothing for {now - seen:.1f} s "
+                    f"(worker_timeout={timeout:g} s): it died or hangs"))
+            elif seen is None and now - self._started > max(
+                    timeout, STARTUP_GRACE_S):
+                self._worker_died(worker, (
+                    f"worker {worker} never connected, "
+                    f"{now - self._started:.0f} s after the job's start "
+                    f"(or this shard's restore)"))
 
     def _start_writer(self, snapshots):
         """Writes `snapshots` in a thread; the serve loop goes on meanwhile."""
@@ -1055,16 +1186,15 @@ class ShardServer:
             table.ckpt_clock = clock
             table.snapshot = (clock, rows)
             self._tables[table_id] = table
+        self._started = time.monotonic()
         self.stats["restored_clock"] = min(
             (t.global_clock for t in self._tables.values()), default=-1)
         log.warning("shard %d restored %d tables from %s (clocks %s)",
                     self.shard_id, len(tables), self.settings.checkpoint_dir,
                     sorted({t.global_clock for t in self._tables.values()}))
 
-    def _worker_died(self, worker, silent_s):
-        error = (f"worker {worker} sent nothing for {silent_s:.1f} s "
-                 f"(worker_timeout={self.settings.worker_timeout:g} s): it "
-                 f"died or hangs")
+    def _worker_died(self, worker, error):
+        """Stops the job, or goes on without `worker` (on_worker_failure)."""
         if self.settings.on_worker_failure == "stop":
             self._failed = error + "; the job stops (on_worker_failure=stop)"
             log.error("shard %d: %s", self.shard_id, self._failed)
@@ -1082,6 +1212,32 @@ class ShardServer:
             table.vclock[worker] = DEAD_CLOCK
             table.subscribers.discard(worker)
             self._maybe_advance(table)
+
+    def _restarted(self, worker):
+        """A new process of a worker this shard still counts as live.
+
+        Its old process died before `worker_timeout` noticed. If that
+        process stopped between clocks (it finished every clock the others
+        did and sent nothing of the next), the new one carries on in its
+        place. Otherwise its last clock is half done (or done while the
+        others' is not) and no update of it can be taken back: under
+        on_worker_failure="stop" the job stops with that error; under
+        "continue" the worker counts as dead and rejoins at once.
+        """
+        midway = [t for t in self._tables.values()
+                  if t.vclock[worker] != t.global_clock
+                  or t.updated[worker] >= t.vclock[worker]]
+        if not midway:
+            return
+        table = midway[0]
+        self._worker_died(worker, (
+            f"worker {worker} restarted (a new process) while clock "
+            f"{table.global_clock} of table {table.spec['name']!r} was "
+            f"unfinished: its old process's updates of it cannot be taken "
+            f"back"))
+        if self._failed is not None:
+            raise RequestError(self._failed, protocol.ERROR_WORKER_DEAD)
+        self._rejoin(worker)
 
     def _rejoin(self, worker):
         """A restarted worker joins at each table's current clock."""

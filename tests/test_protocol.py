@@ -99,6 +99,11 @@ def test_absurd_sizes_are_refused_before_allocation():
     frames = _with_header(_good(), frames=[["float32", [1 << 20, 1 << 10]]])
     with pytest.raises(ProtocolError, match="exceeds the limit"):
         protocol.decode(frames, max_message_bytes=1 << 20)
+    # An empty frame whose other dimensions overflow numpy.
+    frames = _with_header(_good(), frames=[["float32", [0, 1 << 40, 1 << 40]]])
+    frames[1] = b""
+    with pytest.raises(ProtocolError, match=r"frame 0: shape \[0, "):
+        protocol.decode(frames)
 
 
 @pytest.mark.parametrize("change,pattern", [

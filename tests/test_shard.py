@@ -43,6 +43,21 @@ class RawPeer:
         self.send(self.message(kind, **kwargs))
         return self.recv()
 
+    def ask_past_pushes(self, kind, **kwargs):
+        """Like `ask`, skipping the pushes of subscribed tables."""
+        self.send(self.message(kind, **kwargs))
+        while True:
+            reply = self.recv()
+            if reply.type != MsgType.PUSH:
+                return reply
+
+    def drain(self, timeout_ms=300):
+        """Every message that arrives within `timeout_ms` of the last."""
+        received = []
+        while self.socket.poll(timeout_ms):
+            received.append(self.recv())
+        return received
+
     def close(self):
         self.socket.close()
         self.context.term()
@@ -145,8 +160,8 @@ def test_bad_requests_get_named_errors(peer, message, pattern):
 
 
 def test_limits_refuse_excess(shard, peer):
-    big = np.zeros((1 << 18, 2), np.float32)  # 2 MiB > 1 MiB limit
-    reply = peer.ask(MsgType.UPDATE, table=0, clk=0, arrays=[big])
+    half = np.zeros((3 << 15, 2), np.float32)  # 2 x 768 KiB > 1 MiB limit
+    reply = peer.ask(MsgType.UPDATE, table=0, clk=0, arrays=[half, half])
     assert reply.type == MsgType.ERROR and "exceeds the limit" in \
         reply.meta["error"]
     for table in range(1, 8):

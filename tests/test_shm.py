@@ -182,6 +182,29 @@ def test_only_writer_writes_new_rows_into_lent_buffers(thread_cluster):
         assert stats["lent_updates"] == 5 and stats["errors"] == 0
 
 
+def test_a_replaced_process_lent_buffer_never_becomes_rows(thread_cluster):
+    """A worker's old process (hung, then replaced) keeps its lent buffer
+    mapped writable: the shard must never hand that buffer out again."""
+    cluster = thread_cluster(1, 1)
+    old = cluster.client(0, timeout=20)
+    try:
+        table = old.create_table("t", 64, 32)
+        old.update(table, np.ones((64, 32), np.float32))
+        old.clock()
+        old.read_shared(table)
+        stale = old.lend_target(table)  # lent for clock 1, never used
+        assert stale is not None
+        with cluster.client(0, timeout=20) as new:  # the new process
+            mine = new.create_table("t", 64, 32)
+            for clk in range(1, 5):
+                new.update(mine, np.ones((64, 32), np.float32))
+                new.clock()
+                stale[:] = 666.0  # the old process writes on
+                np.testing.assert_array_equal(new.read(mine), clk + 1.0)
+    finally:
+        old.close()
+
+
 def test_no_lend_with_two_writers_or_checkpoints(thread_cluster, tmp_path):
     from keras_geeps.shard import ShardSettings  # noqa: PLC0415
 
@@ -260,15 +283,16 @@ def test_shard_refuses_bad_shared_memory_references(thread_cluster):
                 "shm": arena.describe(), "incarnation": 2}))
             assert welcome.meta["shm_ok"]
             buffer = arena.allocate(100)
-            for ref, why in (([buffer.id, buffer.fd, 0, 512], "fewer than"),
-                             ([buffer.id, buffer.fd, 0, 100], "whole rows"),
-                             ([buffer.id, 10 ** 6, 0, 64], "cannot map")):
-                reply = ask(Message(MsgType.UPDATE, table.id, seq=5,
+            for seq, (ref, why) in enumerate((
+                    ([buffer.id, buffer.fd, 0, 512], "fewer than"),
+                    ([buffer.id, buffer.fd, 0, 100], "whole rows"),
+                    ([buffer.id, 10 ** 6, 0, 64], "cannot map")), 5):
+                reply = ask(Message(MsgType.UPDATE, table.id, seq=seq,
                                     meta={"ref": ref}))
                 assert reply.type == MsgType.ERROR, reply
                 assert why in reply.meta["error"]
             # An update "into" a buffer the shard did not lend is refused.
-            reply = ask(Message(MsgType.UPDATE, table.id, seq=6,
+            reply = ask(Message(MsgType.UPDATE, table.id, seq=8,
                                 meta={"into": buffer.id}))
             assert reply.type == MsgType.ERROR
             assert "did not lend" in reply.meta["error"]

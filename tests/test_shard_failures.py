@@ -1,0 +1,292 @@
+"""A shard under misuse and failures: refused requests, early clocks,
+restarted and dead workers, memory and message limits."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from keras_geeps import protocol
+from keras_geeps import shard as shard_module
+from keras_geeps.auth import keygen
+from keras_geeps.protocol import MsgType
+from keras_geeps.shard import ShardServer, ShardSettings
+from tests.test_shard import RawPeer
+
+
+def spec(rows, width, name="t"):
+    return {"name": name, "rows": rows, "width": width, "dtype": "float32",
+            "row_start": 0, "row_end": rows}
+
+
+@pytest.fixture
+def servers():
+    """Factory: a started thread-mode shard for `num_workers` workers."""
+    started, peers = [], []
+
+    def make(num_workers=2, **settings):
+        settings.setdefault("shared_memory", False)
+        server = ShardServer("tcp://127.0.0.1:0", 0, 1, num_workers,
+                             ShardSettings(**settings)).start()
+        started.append(server)
+        return server
+
+    def peer(server, worker, incarnation=1):
+        p = RawPeer(server.address, worker)
+        peers.append(p)
+        reply = p.ask(MsgType.HELLO, meta={"incarnation": incarnation})
+        assert reply.type == MsgType.WELCOME, reply
+        return p
+
+    make.peer = peer
+    yield make
+    for p in peers:
+        p.close()
+    for server in started:
+        server.stop()
+
+
+def _create(peer, rows, width, value=0.0, table=0):
+    reply = peer.ask(MsgType.CREATE, table=table,
+                     arrays=[np.full((rows, width), value, np.float32)],
+                     meta=dict(spec(rows, width), chunk_row=0))
+    assert reply.type == MsgType.ACK, reply
+
+
+def _two_workers_one_table(servers, server):
+    """Workers 0 (the creator of a 4 x 2 table 0) and 1 (declares it)."""
+    first, other = servers.peer(server, 0), servers.peer(server, 1)
+    _create(first, 4, 2)
+    assert other.ask(MsgType.DECLARE, table=0,
+                     meta=spec(4, 2)).type == MsgType.ACK
+    return first, other
+
+
+def _restarted_worker0(server):
+    """A new process of worker 0 that said HELLO and was welcomed."""
+    again = RawPeer(server.address, 0)
+    assert again.ask(MsgType.HELLO, meta={"incarnation": 2}).type == \
+        MsgType.WELCOME
+    return again
+
+
+def test_refused_and_admin_requests_leave_no_sequence_gaps(servers):
+    server = servers(num_workers=1)
+    peer = servers.peer(server, 0)
+    _create(peer, 4, 3)
+    assert peer.ask(MsgType.STATS).type == MsgType.STATS_REPLY
+    assert peer.ask(MsgType.UPDATE, table=0, clk=5, arrays=[
+        np.ones((4, 3), np.float32)]).type == MsgType.ERROR
+    for clk in range(50):
+        peer.send(peer.message(MsgType.UPDATE, table=0, clk=clk,
+                               arrays=[np.ones((4, 3), np.float32)]))
+        assert peer.ask_past_pushes(MsgType.CLOCK, table=0,
+                                    clk=clk).type == MsgType.ACK
+    tracker = server._seqs[0]
+    assert tracker.upto == peer.seq and not tracker.above
+
+
+def test_clocks_before_the_initial_rows_wait_for_them(servers):
+    server = servers(num_workers=2)
+    creator, other = servers.peer(server, 0), servers.peer(server, 1)
+    first_half = np.full((2, 3), 7, np.float32)
+    assert creator.ask(MsgType.CREATE, table=0, arrays=[first_half],
+                       meta=dict(spec(4, 3), chunk_row=0)).type == MsgType.ACK
+    assert other.ask(MsgType.DECLARE, table=0,
+                     meta=spec(4, 3)).type == MsgType.ACK
+    assert creator.ask(MsgType.CLOCK, table=0, clk=0).type == MsgType.ACK
+    assert other.ask(MsgType.CLOCK, table=0, clk=0).type == MsgType.ACK
+    assert other.drain() == []  # nothing half-initialised is pushed
+    assert server.snapshot_stats()["tables"]["0"]["global_clock"] == 0
+    assert creator.ask(MsgType.CREATE, table=0, arrays=[first_half + 1],
+                       meta=dict(spec(4, 3), chunk_row=2)).type == \
+        MsgType.ACK
+    pushes = [m for m in other.drain() if m.type == MsgType.PUSH]
+    assert [m.clk for m in pushes] == [0, 1]
+    np.testing.assert_array_equal(pushes[-1].arrays[0],
+                                  [[7] * 3, [7] * 3, [8] * 3, [8] * 3])
+
+
+def test_a_worker_restarted_mid_clock_stops_the_job(servers):
+    server = servers(num_workers=2, worker_timeout=30)
+    first, other = _two_workers_one_table(servers, server)
+    first.send(first.message(MsgType.UPDATE, table=0, clk=0,
+                             arrays=[np.ones((4, 2), np.float32)]))
+    assert first.ask_past_pushes(MsgType.CLOCK, table=0,
+                                 clk=0).type == MsgType.ACK
+    # Worker 0's process dies and a new one starts at once, before the
+    # worker timeout: its clock-0 update cannot be taken back.
+    again = RawPeer(server.address, 0)
+    try:
+        reply = again.ask(MsgType.HELLO, meta={"incarnation": 2})
+        assert reply.type == MsgType.ERROR
+        assert reply.meta["code"] == protocol.ERROR_WORKER_DEAD
+        assert "worker 0 restarted" in reply.meta["error"]
+        told = [m for m in other.drain() if m.type == MsgType.ERROR]
+        assert told and "worker 0 restarted" in told[0].meta["error"]
+    finally:
+        again.close()
+
+
+def test_a_worker_restarted_between_clocks_carries_on(servers):
+    server = servers(num_workers=2, worker_timeout=30)
+    first, other = _two_workers_one_table(servers, server)
+    for peer in (first, other):
+        assert peer.ask_past_pushes(MsgType.CLOCK, table=0,
+                                    clk=0).type == MsgType.ACK
+    again = _restarted_worker0(server)
+    try:
+        ack = again.ask_past_pushes(MsgType.DECLARE, table=0,
+                                    meta=spec(4, 2))
+        assert ack.meta["global_clock"] == 1
+        again.send(again.message(MsgType.UPDATE, table=0, clk=1,
+                                 arrays=[np.ones((4, 2), np.float32)]))
+        assert again.ask_past_pushes(MsgType.CLOCK, table=0,
+                                     clk=1).type == MsgType.ACK
+    finally:
+        again.close()
+
+
+def test_continue_mode_restart_mid_clock_rejoins(servers):
+    server = servers(num_workers=2, worker_timeout=30,
+                     on_worker_failure="continue")
+    first, other = _two_workers_one_table(servers, server)
+    assert first.ask_past_pushes(MsgType.CLOCK, table=0,
+                                 clk=0).type == MsgType.ACK
+    again = _restarted_worker0(server)
+    try:
+        ack = again.ask_past_pushes(MsgType.DECLARE, table=0,
+                                    meta=spec(4, 2))
+        assert ack.meta["global_clock"] == 0  # it redoes clock 0
+        assert again.ask_past_pushes(MsgType.CLOCK, table=0,
+                                     clk=0).type == MsgType.ACK
+        assert other.ask_past_pushes(MsgType.CLOCK, table=0,
+                                     clk=0).type == MsgType.ACK
+        assert server.snapshot_stats()["tables"]["0"]["global_clock"] == 1
+    finally:
+        again.close()
+
+
+def test_tables_created_after_a_death_do_not_wait_for_the_dead(servers):
+    server = servers(num_workers=2, worker_timeout=0.5,
+                     on_worker_failure="continue")
+    live = servers.peer(server, 0)
+    servers.peer(server, 1)  # says HELLO, then nothing
+    deadline = time.monotonic() + 10
+    while not server.snapshot_stats()["dead_workers"]:
+        live.send(live.message(MsgType.HEARTBEAT))
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    _create(live, 4, 3)
+    live.send(live.message(MsgType.UPDATE, table=0, clk=0,
+                           arrays=[np.ones((4, 3), np.float32)]))
+    assert live.ask_past_pushes(MsgType.CLOCK, table=0, clk=0).type == \
+        MsgType.ACK
+    reply = live.ask_past_pushes(MsgType.READ, table=0, clk=1)
+    assert reply.type == MsgType.ROWS and reply.clk == 1
+    np.testing.assert_array_equal(reply.arrays[0], np.ones((4, 3)))
+
+
+def test_a_worker_that_never_connects_is_declared_dead(servers,
+                                                       monkeypatch):
+    monkeypatch.setattr(shard_module, "STARTUP_GRACE_S", 0.5)
+    server = servers(num_workers=2, worker_timeout=0.3)
+    live = servers.peer(server, 0)  # worker 1 never says HELLO
+    _create(live, 4, 3)
+    live.send(live.message(MsgType.CLOCK, table=0, clk=0))
+    errors = []
+    deadline = time.monotonic() + 10
+    while not errors and time.monotonic() < deadline:
+        live.send(live.message(MsgType.HEARTBEAT))
+        errors = [m for m in live.drain(100) if m.type == MsgType.ERROR]
+    assert errors, "worker 1 was never declared dead"
+    assert "worker 1 never connected" in errors[0].meta["error"]
+
+
+def test_pooled_buffers_of_a_slow_reader_count_against_the_limit(servers):
+    table_bytes = (1 << 16) * 4 * 4  # 1 MiB
+    server = servers(num_workers=2, max_table_bytes=8 * table_bytes)
+    writer = servers.peer(server, 0)
+    slow = RawPeer(server.address, 1)  # subscribes, then never reads
+    slow.socket.setsockopt(zmq.RCVHWM, 1)
+    slow.socket.setsockopt(zmq.RCVBUF, 4096)
+    try:
+        assert slow.ask(MsgType.HELLO).type == MsgType.WELCOME
+        _create(writer, 1 << 16, 4)
+        slow.send(slow.message(MsgType.DECLARE, table=0,
+                               meta=spec(1 << 16, 4)))
+        update = np.ones((1 << 16, 4), np.float32)
+        refused = None
+        for clk in range(60):
+            writer.send(writer.message(MsgType.UPDATE, table=0, clk=clk,
+                                       arrays=[update]))
+            reply = writer.ask_past_pushes(MsgType.CLOCK, table=0, clk=clk)
+            if reply.type == MsgType.ERROR:
+                refused = reply.meta["error"]
+                break
+            slow.send(slow.message(MsgType.CLOCK, table=0, clk=clk))
+            writer.drain(20)
+        assert refused is not None and "max_table_bytes" in refused
+        assert "slow readers" in refused
+        assert server.snapshot_stats()["held_bytes"] <= 8 * table_bytes
+    finally:
+        slow.close()
+
+
+def test_a_table_that_could_take_no_update_is_refused(servers):
+    server = servers(num_workers=1, max_table_bytes=1000)
+    peer = servers.peer(server, 0)
+    reply = peer.ask(MsgType.CREATE, table=0,
+                     arrays=[np.zeros((50, 4), np.float32)],  # 800 bytes
+                     meta=dict(spec(50, 4), chunk_row=0))
+    assert reply.type == MsgType.ERROR
+    assert "max_table_bytes" in reply.meta["error"]
+    _create(peer, 25, 4)  # 400 bytes: room for its rows and an update
+    peer.send(peer.message(MsgType.UPDATE, table=0, clk=0,
+                           arrays=[np.ones((25, 4), np.float32)]))
+    assert peer.ask_past_pushes(MsgType.CLOCK, table=0, clk=0).type == \
+        MsgType.ACK
+
+
+def test_an_oversized_frame_is_dropped_before_it_is_buffered(servers):
+    server = servers(num_workers=1, max_message_bytes=1 << 20)
+    hostile = RawPeer(server.address, 0)
+    try:
+        hostile.socket.send_multipart(
+            protocol.encode(hostile.message(MsgType.STATS))[:1]
+            + [np.zeros(64 << 20, np.uint8)])
+        assert not hostile.socket.poll(500)  # connection dropped, no reply
+    finally:
+        hostile.close()
+    peer = servers.peer(server, 0)
+    assert peer.ask(MsgType.STATS).type == MsgType.STATS_REPLY
+    assert server.snapshot_stats()["bytes_in"] < 1 << 20
+
+
+def test_repeated_reads_keep_no_finished_sends(servers):
+    server = servers(num_workers=1)
+    peer = servers.peer(server, 0)
+    _create(peer, 4, 3)
+    for _ in range(300):
+        assert peer.ask_past_pushes(MsgType.READ, table=0,
+                                    clk=0).type == MsgType.ROWS
+    assert sum(len(t) for t in server._trackers.values()) < 50
+
+
+def test_a_shard_that_cannot_start_leaves_nothing_running(tmp_path):
+    secret = keygen(tmp_path, "shard")[1]
+    (tmp_path / "allowed").mkdir()
+    first = ShardServer("tcp://127.0.0.1:0", 0, 1, 1,
+                        ShardSettings(shared_memory=False))
+    threads = set(threading.enumerate())
+    try:
+        with pytest.raises(zmq.ZMQError):
+            ShardServer(first.address, 0, 1, 1,
+                        ShardSettings(shared_memory=False),
+                        curve=(secret, str(tmp_path / "allowed")))
+        time.sleep(0.2)
+        assert set(threading.enumerate()) <= threads
+    finally:
+        first._close()
