@@ -10,15 +10,21 @@ to subclass a strategy's extended object. This module holds that reach and
 nothing else, and TensorFlow's minor version is pinned in setup.py because
 of it (tests/keras/test_tf_hooks.py checks that these hooks still fire).
 
-It also holds the one reach into Keras' optimizers: `install_update_capture`
-lets the sync take a step's additive update from `Optimizer.assign_add` /
-`assign_sub` (the methods every built-in optimizer's `update_step` writes a
-variable through) instead of writing the variable and measuring the change
+It also holds the reach into Keras: `install_update_capture` lets the sync
+take a step's additive update from `Optimizer.assign_add` / `assign_sub`
+(the methods every built-in optimizer's `update_step` writes a variable
+through) instead of writing the variable and measuring the change
 afterwards, and `optimizer_refuses_capture` reads the optimizer settings
-under which that would be wrong.
+under which that would be wrong. A captured update leaves the variables one
+step behind the shards, so the same function makes Keras catch them up
+wherever user code can see them between steps: `CallbackList`'s dispatch
+(before epoch / train end, evaluate / predict begin, and around train
+batches when a callback reads weights there), after `train_on_batch`, and
+in `finalize_variable_values` (the end of `fit`).
 """
 
 import contextlib
+import functools
 import inspect
 import threading
 import weakref
@@ -100,13 +106,14 @@ def capturing(capture):
 
 def install_update_capture(sync):
     """Routes Keras optimizers' `assign_add` / `assign_sub` through
-    `capturing`, and calls `sync.catch_up(variables)` from
-    `finalize_variable_values` (what `fit` calls on its way out), so that a
-    captured last update reaches the variables. Idempotent."""
+    `capturing`, and has Keras call `sync.catch_up(variables)` wherever user
+    code can see the weights between steps (`_install_catch_ups`), so that
+    a captured last update is in the variables then. Idempotent."""
     _syncs.add(sync)
     cls = keras.optimizers.Optimizer
     if cls.__dict__.get("_geeps_capture_installed"):
         return
+    _install_catch_ups()
     for name, sign in (("assign_add", 1.0), ("assign_sub", -1.0)):
         original = getattr(cls, name)
 
@@ -120,16 +127,90 @@ def install_update_capture(sync):
         method.__name__ = name
         method.__doc__ = original.__doc__
         setattr(cls, name, method)
-    finalize = cls.finalize_variable_values
+    cls._geeps_capture_installed = True
 
+
+def release_sync(sync):
+    """Stops catching up `sync`'s variables (its client is closing)."""
+    _syncs.discard(sync)
+
+
+def catch_up(variables):
+    """Brings every sync's captured last update of `variables` into them."""
+    for active in list(_syncs):
+        active.catch_up(variables)
+
+
+def _catch_up_model(model):
+    if model is not None and _syncs:
+        catch_up(model.weights)
+
+
+# CallbackList methods before whose callbacks the weights are made current:
+# once per epoch or per call, never per step.
+_CATCH_UP_BEFORE = ("on_epoch_end", "on_train_end", "on_test_begin",
+                    "on_predict_begin")
+
+
+def _install_catch_ups():
+    """Patches Keras where user code sees the weights between steps."""
+    from keras_geeps.keras.callbacks import (  # noqa: PLC0415
+        reads_weights_per_batch)
+    optimizer = keras.optimizers.Optimizer
+    finalize = optimizer.finalize_variable_values
+
+    @functools.wraps(finalize)
     def finalize_variable_values(self, var_list):
         finalize(self, var_list)
-        for active in list(_syncs):
-            active.catch_up(var_list)
+        catch_up(var_list)
 
-    finalize_variable_values.__doc__ = finalize.__doc__
-    cls.finalize_variable_values = finalize_variable_values
-    cls._geeps_capture_installed = True
+    optimizer.finalize_variable_values = finalize_variable_values
+
+    callback_list = keras.callbacks.CallbackList
+    for name in _CATCH_UP_BEFORE:
+        original = getattr(callback_list, name)
+
+        @functools.wraps(original)
+        def before(self, *args, _original=original, **kwargs):
+            _catch_up_model(getattr(self, "_model", None))
+            return _original(self, *args, **kwargs)
+
+        setattr(callback_list, name, before)
+    for name in ("on_train_batch_begin", "on_train_batch_end"):
+        original = getattr(callback_list, name)
+
+        @functools.wraps(original)
+        def around_batch(self, *args, _original=original, **kwargs):
+            # Here, in the dispatching thread: never beside the next step.
+            if _syncs and _observes_batches(self, reads_weights_per_batch):
+                _catch_up_model(getattr(self, "_model", None))
+            return _original(self, *args, **kwargs)
+
+        setattr(callback_list, name, around_batch)
+
+    owner = next(k for k in keras.Model.__mro__
+                 if "train_on_batch" in k.__dict__)
+    train_on_batch = owner.train_on_batch
+
+    @functools.wraps(train_on_batch)
+    def train_on_batch_caught_up(self, *args, **kwargs):
+        logs = train_on_batch(self, *args, **kwargs)
+        _catch_up_model(self)
+        return logs
+
+    owner.train_on_batch = train_on_batch_caught_up
+
+
+def _observes_batches(callback_list, reads_weights_per_batch):
+    """Whether a callback of `callback_list` reads weights at train batches
+    (remembered per list of callbacks: the check runs at every batch)."""
+    key = tuple(map(id, callback_list.callbacks))
+    cached = callback_list.__dict__.get("_geeps_observes_batches")
+    if cached is None or cached[0] != key:
+        cached = (key, any(map(reads_weights_per_batch,
+                               callback_list.callbacks)))
+        callback_list._geeps_observes_batches = cached
+    return cached[1]
 
 
 def optimizer_refuses_capture(optimizer, variable):

@@ -103,3 +103,37 @@ for _hook in ("on_train_begin", "on_train_end", "on_epoch_begin",
               "on_test_batch_end", "on_predict_begin", "on_predict_end",
               "on_predict_batch_begin", "on_predict_batch_end"):
     setattr(ChiefOnly, _hook, _chief_only(_hook))
+
+
+# Keras callbacks whose batch hooks read the logs, never the weights.
+_LOGS_ONLY = (keras.callbacks.History, keras.callbacks.ProgbarLogger,
+              keras.callbacks.TensorBoard, keras.callbacks.TerminateOnNaN)
+_BATCH_HOOKS = ("on_batch_begin", "on_batch_end", "on_train_batch_begin",
+                "on_train_batch_end")
+
+
+def reads_weights_per_batch(callback):
+    """Whether `callback` may read the model's weights at a train batch.
+
+    Under captured updates the weights trail the shards by one step, and
+    catching them up before a batch's callbacks costs a pull outside the
+    step: done only when a callback may look. That is any callback with a
+    batch hook of its own, except Keras' logging ones and a
+    `ModelCheckpoint` / `BackupAndRestore` saving per epoch.
+
+    Args:
+        callback: a `keras.callbacks.Callback`.
+
+    Returns:
+        bool.
+    """
+    if isinstance(callback, ChiefOnly):
+        return reads_weights_per_batch(callback.callback)
+    if isinstance(callback, (ParameterServerCallback, *_LOGS_ONLY)):
+        return False
+    if isinstance(callback, (keras.callbacks.ModelCheckpoint,
+                             keras.callbacks.BackupAndRestore)):
+        return callback.save_freq != "epoch"
+    # Keras marks Callback's empty hooks `_is_default` (utils.default).
+    return any(not getattr(getattr(callback, hook), "_is_default", False)
+               for hook in _BATCH_HOOKS)

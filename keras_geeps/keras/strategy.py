@@ -1,12 +1,14 @@
 """`GeePSStrategy`: data-parallel `model.fit` through keras_geeps shards."""
 
+import numbers
+
 import tensorflow as tf
 
 from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
-from keras_geeps.keras.sync import ParameterSync
+from keras_geeps.keras.sync import ParameterSync, check_update_mode
 
 
 class GeePSStrategy(tf.distribute.OneDeviceStrategy):
@@ -69,16 +71,33 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             step. Updates that need the written variable within the step
             (moving averages, constraints, gradient accumulation, weight
             decay, sparse updates, eager steps) are applied as usual. The
-            variables then trail the shards by the last step until a pull;
-            `fit` pulls on its way out. Defaults to True.
+            variables then trail the shards by the last step until a pull,
+            except where user code can see them: they are caught up before
+            `fit`'s epoch-end and train-end callbacks (and around train
+            batches when a callback reads weights there), after
+            `train_on_batch`, and at the end of `fit`. Defaults to True.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",
                  timeout=120.0, device=None, client=None, curve=None,
                  device_memory_budget=None, capture_updates=True):
-        if client is None:
+        check_update_mode(update_mode)
+        _check_budget(device_memory_budget)
+        own_client = client is None
+        if own_client:
             client = GeePSClient(cluster or ClusterSpec.from_env(),
                                  slack=slack, timeout=timeout, curve=curve)
+        try:
+            self._init(client, update_mode, device, device_memory_budget,
+                       capture_updates)
+        except BaseException:
+            if own_client:  # its I/O thread would keep heartbeating
+                client.close()
+            raise
+
+    def _init(self, client, update_mode, device, device_memory_budget,
+              capture_updates):
+        """The rest of `__init__`, once there is a client."""
         if device is None:
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")
@@ -239,7 +258,18 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         """Closes the connections to the shards."""
         if self._memory is not None:
             self._memory.close()
+        _tf_hooks.release_sync(self.parameter_sync)
         self.client.close()
+
+
+def _check_budget(device_memory_budget):
+    """Raises ValueError unless the budget is None or a positive number."""
+    if device_memory_budget is None:
+        return
+    if isinstance(device_memory_budget, bool) or not isinstance(
+            device_memory_budget, numbers.Real) or device_memory_budget <= 0:
+        raise ValueError(f"device_memory_budget must be a positive number of "
+                         f"bytes or None, not {device_memory_budget!r}")
 
 
 class _BudgetGuard:

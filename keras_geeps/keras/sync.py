@@ -34,6 +34,7 @@ MAX_ROW_WIDTH = 1024  # elements per row, at most
 # Layers smaller than this leave with the next layer's push (one
 # py_function call costs ~0.1-0.3 ms; a bias-sized layer is not worth it).
 MIN_PUSH_BYTES = 1 << 20
+_BFLOAT16 = np.dtype(tf.bfloat16.as_numpy_dtype)  # ml_dtypes' bfloat16
 
 
 def row_width(total, max_width=MAX_ROW_WIDTH):
@@ -68,12 +69,23 @@ def layer_name(variable):
     return name.rsplit("/", 1)[0] if "/" in name else name
 
 
-def as_tensor(array):
+def as_tensor(array, dtype=None):
     """A CPU tensor sharing `array`'s memory (DLPack; must be 64-B aligned).
 
     `tf.convert_to_tensor` copies; at ~40 MB per step that copy is a
-    measurable part of a step.
+    measurable part of a step. DLPack has no bfloat16 for numpy: such an
+    array travels as its uint16 view and is bitcast back (no copy either).
+
+    Args:
+        array: a 64-byte aligned numpy array.
+        dtype: the numpy dtype of its elements, when `array` may be an
+            untyped view of them (shared memory hands bfloat16 rows out as
+            'V2'). Defaults to None: `array.dtype`.
     """
+    if dtype is not None and array.dtype != dtype:
+        array = array.view(dtype)
+    if array.dtype == _BFLOAT16:
+        return tf.bitcast(as_tensor(array.view(np.uint16)), tf.bfloat16)
     return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
 
 
@@ -81,11 +93,14 @@ def as_host_array(tensor):
     """A numpy view of a CPU tensor (DLPack), a copy for other devices.
 
     `Tensor.numpy()` copies; the client sends the view without a copy and
-    holds it (and so the tensor) until ZeroMQ is done with it.
+    holds it (and so the tensor) until ZeroMQ is done with it. A bfloat16
+    tensor is viewed through its uint16 bitcast.
     """
-    if "CPU" in tensor.device.upper():
-        return np.from_dlpack(tensor)
-    return tensor.numpy()
+    if "CPU" not in tensor.device.upper():
+        return tensor.numpy()
+    if tensor.dtype == tf.bfloat16:
+        return np.from_dlpack(tf.bitcast(tensor, tf.uint16)).view(_BFLOAT16)
+    return np.from_dlpack(tensor)
 
 
 def _aligned_empty(size, dtype, alignment=64):
@@ -94,6 +109,11 @@ def _aligned_empty(size, dtype, alignment=64):
     raw = np.empty(size * dtype.itemsize + alignment, np.uint8)
     offset = -raw.ctypes.data % alignment
     return raw[offset:offset + size * dtype.itemsize].view(dtype)
+
+
+def _variable_name(variable):
+    """A variable's Keras path if it has one, else its TF name."""
+    return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 
 class LayerTable:
@@ -140,6 +160,13 @@ class _BufferPair:
         return buffer
 
 
+def check_update_mode(update_mode):
+    """Raises ValueError unless `update_mode` is "average" or "sum"."""
+    if update_mode not in ("average", "sum"):
+        raise ValueError(f"update_mode must be 'average' or 'sum', not "
+                         f"{update_mode!r}")
+
+
 class ParameterSync:
     """Moves a model's variables to and from the shards around each step.
 
@@ -157,9 +184,7 @@ class ParameterSync:
 
     def __init__(self, client, update_mode="average",
                  max_row_width=MAX_ROW_WIDTH, capture_updates=True):
-        if update_mode not in ("average", "sum"):
-            raise ValueError(f"update_mode must be 'average' or 'sum', not "
-                             f"{update_mode!r}")
+        check_update_mode(update_mode)
         self.client = client
         self.update_mode = update_mode
         self.scale = 1.0 / client.num_workers if update_mode == "average" \
@@ -177,7 +202,7 @@ class ParameterSync:
         self.pull_wait_seconds = 0.0
         self.pull_seconds = 0.0
         self.push_seconds = 0.0
-        self.steps = 0
+        self.steps = 0             # steps pushed
         self.max_staleness = 0     # most clocks a read lagged its clock
 
     @property
@@ -186,14 +211,18 @@ class ParameterSync:
 
     # --------------------------------------------------- strategy hooks
     def track_variable(self, variable, trainable):
-        """Called for every variable created in the strategy's scope."""
-        if trainable and not self.built:
+        """Called for every variable created in the strategy's scope.
+
+        A trainable one gets a table at the next step, also when created
+        after the first tables (a second model, a new head).
+        """
+        if trainable:
             self._candidates.append(variable)
 
     def note_update(self, variable):
         """Called for every variable the optimizer updates (at trace time)."""
         if self._updated is not None:
-            self._updated.add(id(variable))
+            self._updated[id(variable)] = variable
 
     def update_capture(self, variable):
         """The capture that may take `variable`'s optimizer update, or None."""
@@ -212,16 +241,16 @@ class ParameterSync:
             # A step's own nested call_for_each_replica (LossScaleOptimizer
             # applies its inner optimizer through one): already wrapped.
             return call()
-        if not self.built and self._candidates:
+        if self._candidates:
             with tf.init_scope():
                 self.build()
         if not self.tables:
-            return call()
+            return self._run_untabled(call)
         # One op pulls every table, in layer order: the step waits for all
         # of them anyway, and each py_function call costs ~0.1-0.3 ms.
         pulls = [tf.py_function(self._pull_all_op, [], tf.bool,
                                 name="geeps_pull")]
-        self._updated = set()
+        self._updated = {}
         self._capture = self._new_capture(is_train_step)
         try:
             with tf.control_dependencies(pulls):
@@ -241,21 +270,55 @@ class ParameterSync:
                 "optimizer, so nothing would reach the shards: create the "
                 "model inside strategy.scope() and update its variables "
                 "with its optimizer (optimizer.apply / apply_gradients)")
-        # Backprop reaches the last layer first: push in reverse layer
-        # order, each group as soon as its variables are updated.
-        group, group_bytes = [], 0
+        self._check_tabled(updated)
+        groups = self._push_groups(updated)
+        for group in groups:  # the last one counts the step
+            self._push_after_updates(group, captured, group is groups[-1])
+        return result
+
+    def _push_groups(self, updated):
+        """The updated tables' indices in push groups, in push order.
+
+        Backprop reaches the last layer first: push in reverse layer order,
+        each group as soon as its variables are updated, a group holding at
+        least MIN_PUSH_BYTES but where the tables end.
+        """
+        groups, group, group_bytes = [], [], 0
         for i in reversed(range(len(self.tables))):
             layer = self.tables[i]
             if not any(id(v) in updated for v in layer.variables):
                 continue
             group.append(i)
             group_bytes += layer.table.nbytes
-            if group_bytes >= MIN_PUSH_BYTES or i == 0:
-                self._push_after_updates(group, captured)
+            if group_bytes >= MIN_PUSH_BYTES:
+                groups.append(group)
                 group, group_bytes = [], 0
         if group:
-            self._push_after_updates(group, captured)
+            groups.append(group)
+        return groups
+
+    def _run_untabled(self, call):
+        """Runs a step while there is no table: it must update nothing."""
+        self._updated = {}
+        try:
+            result = call()
+            updated = self._updated
+        finally:
+            self._updated = None
+        self._check_tabled(updated)
         return result
+
+    def _check_tabled(self, updated):
+        """Raises when the step updates a variable that is in no table."""
+        tabled = {id(v) for layer in self.tables for v in layer.variables}
+        missing = [v for key, v in updated.items() if key not in tabled]
+        if missing:
+            names = ", ".join(sorted(_variable_name(v) for v in missing))
+            raise GeePSError(
+                f"the step updates variables that are in no parameter "
+                f"table, so their updates would never reach the shards: "
+                f"{names}. Create every layer the step trains inside "
+                f"strategy.scope()")
 
     def _new_capture(self, is_train_step):
         # Only while tracing: run eagerly, a direct write (weight decay)
@@ -269,7 +332,7 @@ class ParameterSync:
             return None
         return UpdateCapture(tf.compat.v1.get_default_graph(), variables)
 
-    def _push_after_updates(self, indices, captured):
+    def _push_after_updates(self, indices, captured, count_step):
         # Captured updates are the push's inputs; reading the other
         # variables orders the push after their updates.
         reads = [v.read_value() for i in indices if i not in captured
@@ -280,8 +343,9 @@ class ParameterSync:
                 values, signs[i] = captured[i]
                 tensors += values
         with tf.control_dependencies(reads):
-            tf.py_function(functools.partial(self._push_op, indices, signs),
-                           tensors, tf.bool, name=f"geeps_push_{indices[-1]}")
+            tf.py_function(
+                functools.partial(self._push_op, indices, signs, count_step),
+                tensors, tf.bool, name=f"geeps_push_{indices[-1]}")
 
     # ------------------------------------------------------------ tables
     def build(self):
@@ -290,19 +354,33 @@ class ParameterSync:
         Collective: every worker builds the same tables in the same order
         (the same model code creates the same variables). Worker 0's values
         initialise the tables; the others take them at their first pull.
+        Variables created after a build (a second model in the scope) get
+        their tables at the next build, appended to `tables`.
+
+        Raises:
+            GeePSError: a layer's new variables would need a table whose
+                name an existing table has (a layer that created variables
+                after its table was built, or two models of the same name).
         """
         groups = {}
         for variable in self._candidates:
             key = (layer_name(variable), variable.dtype.name)
             groups.setdefault(key, []).append(variable)
         self._candidates = []
+        existing = {layer.table.name for layer in self.tables}
         for (name, dtype), variables in groups.items():
+            table_name = name if dtype == "float32" else f"{name}:{dtype}"
+            if table_name in existing:
+                raise GeePSError(
+                    f"{', '.join(_variable_name(v) for v in variables)}: "
+                    f"created after the parameter table {table_name!r} was "
+                    f"built, which they would have to join; give each model "
+                    f"a distinct name and build layers before training")
             layout = ops.PackLayout(variables)
             total = layout.total_size
             width = row_width(total, self.max_row_width)
             init = ops.pack(variables, layout).numpy() \
                 if self.client.worker_id == self.client.initializer else None
-            table_name = name if dtype == "float32" else f"{name}:{dtype}"
             table = self.client.create_table(table_name, total // width,
                                              width, dtype, init=init)
             self.tables.append(LayerTable(name, variables, table, layout))
@@ -365,7 +443,7 @@ class ParameterSync:
         layer.behind = False
         self.max_staleness = max(self.max_staleness,
                                  table.clock - table.last_read_age)
-        snapshot = as_tensor(buffer)
+        snapshot = as_tensor(buffer, table.dtype)
         layer.pulled_shared = snapshot if shared else None
         if values is None:
             ops.unpack(snapshot, layer.variables, layer.layout)
@@ -379,7 +457,7 @@ class ParameterSync:
             self.pull(index)
         return True
 
-    def _push_op(self, indices, signs=None, *tensors):
+    def _push_op(self, indices, signs, count_step, *tensors):
         position = 0
         for index in indices:
             update = None
@@ -387,41 +465,71 @@ class ParameterSync:
                 count = len(signs[index])
                 update = (tensors[position:position + count], signs[index])
                 position += count
-            self.push(index, update=update)
+            self._send(index, update=update)
+        if count_step:  # one push op per step does
+            self.steps += 1
         return True
 
     def catch_up(self, variables):
         """Pulls the layers among `variables` whose captured last update is
-        not in their variables yet (`fit` calls this on its way out)."""
+        not in their variables yet.
+
+        Called wherever user code can see the weights between steps:
+        before a `fit` callback's epoch / train end, after
+        `train_on_batch`, at `fit`'s end (`_tf_hooks`). Costs nothing when
+        no layer is behind.
+
+        Args:
+            variables: tf.Variables or keras.Variables (a model's weights).
+        """
+        behind = [i for i, layer in enumerate(self.tables) if layer.behind]
+        if not behind:
+            return
         wanted = {id(v._value if isinstance(v, keras.Variable) else v)
                   for v in variables}
-        for index, layer in enumerate(self.tables):
-            if layer.behind and any(id(v) in wanted
-                                    for v in layer.variables):
+        for index in behind:
+            if any(id(v) in wanted for v in self.tables[index].variables):
                 self.pull(index)
 
-    def push(self, index, values=None, update=None):
-        """Sends the step's update of table `index` and clocks it.
+    def push(self, index, values=None):
+        """Sends the update of table `index` since its last pull, and
+        clocks it. A caller pushing every table (`push_all`, the memory
+        manager) ends a step with table 0, which counts the step.
 
         Args:
             index: the table's position in `tables`.
             values: the table's current values, in layout order, when they
                 are not in its variables (the memory manager's host
                 copies). Defaults to None: the variables.
-            update: (tensors, signs): the optimizer's update of each
-                variable, captured instead of applied (the update is
-                `sign * tensor`). Defaults to None: measured as the
-                variables minus their snapshot.
+
+        Raises:
+            GeePSError: the table was never pulled (there is nothing to
+                measure the update against).
         """
+        self._send(index, values)
+        if index == 0:
+            self.steps += 1
+
+    def _send(self, index, values=None, update=None):
+        """Pushes and clocks table `index`: `update` is (tensors, signs),
+        the optimizer's update of each variable, captured instead of
+        applied (the update is `sign * tensor`); None measures it as the
+        values minus the pulled snapshot."""
         started = time.perf_counter()
         layer = self.tables[index]
         table = layer.table
+        if update is None and layer.snapshot is None:
+            raise GeePSError(
+                f"parameter table {layer.name!r}: push before any pull; an "
+                f"update is measured against the values pulled last, so "
+                f"pull (pull_all, or strategy.run) before the step")
         if update is not None:
             rows = self._write_captured(layer, *update)
         elif values is None and layer.snapshot is not None and layer.on_cpu \
                 and (target := self._update_target(table)) is not None:
             ops.pack_delta_into(layer.variables, layer.layout,
-                                layer.snapshot, as_tensor(target.reshape(-1)),
+                                layer.snapshot,
+                                as_tensor(target.reshape(-1), table.dtype),
                                 scale=self.scale)
             rows = target
         else:
@@ -434,8 +542,6 @@ class ParameterSync:
             self.client.update(table, rows, copy=False)
             self.client.clock([table])
         layer.snapshot_stale = True
-        if index == 0:
-            self.steps += 1
         self.push_seconds += time.perf_counter() - started
 
     def _update_target(self, table):
@@ -445,20 +551,21 @@ class ParameterSync:
     def _write_captured(self, layer, tensors, signs):
         """Writes a captured update where it will travel from; the rows."""
         scales = [sign * self.scale for sign in signs]
+        dtype = layer.table.dtype
         layer.behind = True
         if layer.pulled_shared is not None:
             with self.lock:  # the table's only writer: its new rows
                 lent = self.client.lend_target(layer.table)
             if lent is not None:
                 ops.pack_tensors_into(tensors, layer.layout,
-                                      as_tensor(lent.reshape(-1)), scales,
-                                      base=layer.pulled_shared)
+                                      as_tensor(lent.reshape(-1), dtype),
+                                      scales, base=layer.pulled_shared)
                 return lent
         rows = self._update_target(layer.table)
         if rows is None:
             rows = layer.next_upload()
         ops.pack_tensors_into(tensors, layer.layout,
-                              as_tensor(rows.reshape(-1)), scales)
+                              as_tensor(rows.reshape(-1), dtype), scales)
         return rows
 
     def pull_all(self, full=False):
@@ -469,7 +576,18 @@ class ParameterSync:
 
     def push_all(self):
         """Eagerly pushes every table's update since the last pull, and
-        clocks it (for hand-written loops outside `strategy.run`)."""
+        clocks it (for hand-written loops outside `strategy.run`).
+
+        Raises:
+            GeePSError: a table was never pulled; nothing is sent then.
+        """
+        unpulled = [layer.name for layer in self.tables
+                    if layer.snapshot is None]
+        if unpulled:
+            raise GeePSError(
+                f"push_all before any pull of the parameter tables "
+                f"{', '.join(map(repr, unpulled))}: an update is measured "
+                f"against the values pulled last; call pull_all() first")
         for index in reversed(range(len(self.tables))):
             self.push(index)
 

@@ -1,0 +1,148 @@
+"""Captured updates never show: user code sees weights equal to the shards.
+
+Under BSP a captured update is pushed instead of written into the
+variables, which trail the shards by one step until the next pull. Keras
+catches them up wherever user code can look between steps (keras/_tf_hooks):
+before epoch-end and train-end callbacks, around train batches when a
+callback reads weights there, and after `train_on_batch`; never per step
+otherwise. These tests compare what callbacks and `train_on_batch` callers
+see with the shards' rows, on real shards.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+keras = pytest.importorskip("keras")
+
+from keras_geeps.keras import GeePSStrategy  # noqa: E402
+
+STEPS, BATCH, EPOCHS = 4, 4, 2
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((STEPS * BATCH, 5)).astype(np.float32)
+    y = rng.standard_normal((STEPS * BATCH, 2)).astype(np.float32)
+    return x, y
+
+
+def _strategy(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)),
+                                  keras.layers.Dense(3, name="a"),
+                                  keras.layers.Dense(2, name="b")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+    return strategy, model
+
+
+def _rows(strategy):
+    """The shards' rows of every table, in table order, as one vector."""
+    return np.concatenate([strategy.client.read(layer.table).reshape(-1)
+                           for layer in strategy.parameter_sync.tables])
+
+
+def _weights(model):
+    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
+
+
+class _Compare(keras.callbacks.Callback):
+    """Records (weights, shard rows) at epoch ends, train end and, with
+    `batches`, train batch ends."""
+
+    def __init__(self, strategy, batches=False):
+        super().__init__()
+        self.strategy = strategy
+        self.seen = {"epoch": [], "train_end": [], "batch": []}
+        if batches:
+            self.on_train_batch_end = self._batch_end
+
+    def _record(self, where):
+        self.seen[where].append((_weights(self.model),
+                                 _rows(self.strategy)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._record("epoch")
+
+    def on_train_end(self, logs=None):
+        self._record("train_end")
+
+    def _batch_end(self, batch, logs=None):
+        self._record("batch")
+
+
+def _count_catch_up_pulls(sync):
+    """Counts the catch-ups that had a layer to pull (instrumented)."""
+    counts = {"pulls": 0}
+    real = sync.catch_up
+
+    def catch_up(variables):
+        counts["pulls"] += any(layer.behind for layer in sync.tables)
+        real(variables)
+
+    sync.catch_up = catch_up
+    return counts
+
+
+def test_epoch_and_train_end_callbacks_see_the_shards_rows(thread_cluster,
+                                                           tmp_path):
+    strategy, model = _strategy(thread_cluster)
+    try:
+        compare = _Compare(strategy)
+        counts = _count_catch_up_pulls(strategy.parameter_sync)
+        path = str(tmp_path / "ckpt-{epoch}.weights.h5")
+        x, y = _data()
+        # `compare` first: Keras calls callbacks in order, ours sync last.
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                  verbose=0, callbacks=[compare] + strategy.callbacks(
+                      checkpoint_path=path, save_weights_only=True))
+        assert strategy.parameter_sync.captured_layers  # the case at hand
+        assert len(compare.seen["epoch"]) == EPOCHS
+        for weights, rows in compare.seen["epoch"] + compare.seen["train_end"]:
+            np.testing.assert_array_equal(weights, rows)
+        # The chief's checkpoints hold the shards' rows of their epoch.
+        for epoch, (_, rows) in enumerate(compare.seen["epoch"], 1):
+            model.load_weights(path.format(epoch=epoch))
+            np.testing.assert_array_equal(_weights(model), rows)
+        # No per-batch catch-up without a callback reading weights there:
+        # at most one per epoch end.
+        assert 0 < counts["pulls"] <= EPOCHS, counts
+    finally:
+        strategy.close()
+
+
+def test_a_callback_reading_weights_per_batch_sees_the_shards_rows(
+        thread_cluster):
+    strategy, model = _strategy(thread_cluster)
+    try:
+        compare = _Compare(strategy, batches=True)
+        x, y = _data()
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                  verbose=0, callbacks=[compare])
+        assert len(compare.seen["batch"]) == STEPS * EPOCHS
+        for weights, rows in compare.seen["batch"]:
+            np.testing.assert_array_equal(weights, rows)
+    finally:
+        strategy.close()
+
+
+def test_train_on_batch_leaves_the_weights_current(thread_cluster):
+    strategy, model = _strategy(thread_cluster)
+    try:
+        x, y = _data()
+        for step in range(3):
+            model.train_on_batch(x[:BATCH], y[:BATCH])
+            assert strategy.parameter_sync.captured_layers
+            np.testing.assert_array_equal(_weights(model), _rows(strategy))
+            np.testing.assert_allclose(model(x).numpy(),
+                                       model.predict(x, verbose=0),
+                                       rtol=1e-6, atol=1e-6)
+        assert strategy.parameter_sync.steps == 3
+    finally:
+        strategy.close()
