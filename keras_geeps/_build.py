@@ -336,7 +336,10 @@ def build(force=False, cuda=None):
 
 
 def _prune_stale(root, key):
-    """Removes this checkout's builds of older sources (same TF and kind).
+    """Removes this checkout's builds of older sources (same TF and kind),
+    and the staging folders of builds that were killed (SIGKILL skips
+    their cleanup): `.<key>-*` ones are leftovers, since the caller holds
+    `key`'s lock, and so are those of older sources.
 
     Only in the package's own `_lib/`: a shared cache folder may serve other
     checkouts whose sources differ. A process that loaded a removed library
@@ -350,6 +353,9 @@ def _prune_stale(root, key):
             shutil.rmtree(path, ignore_errors=True)
         elif path.suffix == ".lock":
             path.unlink(missing_ok=True)
+    for path in [*root.glob(f".{prefix}*"), *root.glob(f".old-{prefix}*")]:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def build_info(library_path):

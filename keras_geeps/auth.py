@@ -22,16 +22,48 @@ def require_curve():
                            "install pyzmq's wheels (they bundle libsodium)")
 
 
-def keygen(directory, name):
+def keygen(directory, name, overwrite=False):
     """Writes `<name>.key` (public) and `<name>.key_secret` into `directory`.
+
+    The secret file is readable by its owner only from the moment it
+    exists (and a new `directory` is private too).
+
+    Args:
+        directory: where to write (created if missing).
+        name: the key pair's name, e.g. "shard" or "worker0".
+        overwrite: replace an existing pair of that name. Defaults to
+            False: refused, since every peer holding the old public key
+            would stop working.
 
     Returns:
         (public_key_path, secret_key_path).
+
+    Raises:
+        FileExistsError: the pair exists and `overwrite` is False.
+
+    Example:
+
+    >>> import tempfile
+    >>> folder = tempfile.mkdtemp()
+    >>> public, secret = keygen(folder, "worker0")
+    >>> oct(os.stat(secret).st_mode & 0o777)
+    '0o600'
     """
     require_curve()
-    os.makedirs(directory, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(directory, name)
-    os.chmod(secret, 0o600)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    paths = [os.path.join(directory, f"{name}.key{suffix}")
+             for suffix in ("", "_secret")]
+    existing = [p for p in paths if os.path.exists(p)]
+    if existing and not overwrite:
+        raise FileExistsError(f"{existing[0]} exists: keep it (peers hold "
+                              f"its public key) or pass overwrite=True "
+                              f"(keras-geeps keygen --force)")
+    previous = os.umask(0o077)  # no window where the secret is readable
+    try:
+        public, secret = zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(previous)
+    os.chmod(public, 0o644)  # public keys are for sharing
     return public, secret
 
 

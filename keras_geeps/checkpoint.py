@@ -118,8 +118,13 @@ def load(directory, shard_id, num_shards, num_workers):
                 spec = entry["spec"]
                 rows = archive[f"table_{tid}"]
                 dtype = protocol.numpy_dtype(spec["dtype"])
-                rows = rows.view(dtype) if spec["dtype"] == "bfloat16" \
-                    else rows.astype(dtype, copy=False)
+                stored = np.dtype(np.uint16) if spec["dtype"] == "bfloat16" \
+                    else dtype  # npz keeps bfloat16 rows as their bits
+                if rows.dtype != stored:
+                    raise CheckpointError(f"{path}: table {tid} holds "
+                                          f"{rows.dtype.name} rows, spec "
+                                          f"says {spec['dtype']}")
+                rows = rows.view(dtype)
                 expected = (spec["row_end"] - spec["row_start"],
                             spec["width"])
                 if rows.shape != expected:

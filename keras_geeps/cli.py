@@ -70,7 +70,12 @@ def _cmd_checkpoint(args):
 def _cmd_keygen(args):
     from keras_geeps.auth import keygen  # noqa: PLC0415
     for name in args.names:
-        public, secret = keygen(args.directory, name)
+        try:
+            public, secret = keygen(args.directory, name,
+                                    overwrite=args.force)
+        except FileExistsError as exc:
+            print(f"keras-geeps keygen: {exc}", file=sys.stderr)
+            return 1
         print(f"{name}: public {public}, secret {secret}")
     return 0
 
@@ -114,6 +119,8 @@ def build_parser():
     keygen.add_argument("directory")
     keygen.add_argument("names", nargs="+",
                         help="e.g. shard worker0 worker1")
+    keygen.add_argument("--force", action="store_true",
+                        help="replace existing key pairs of these names")
     keygen.set_defaults(func=_cmd_keygen)
 
     build = sub.add_parser("build-ops", help="build the custom TF ops now")

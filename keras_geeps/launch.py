@@ -75,8 +75,11 @@ def _pump(stream, prefix, sink, lines=None):
             out = [_prefixed(line, prefix) + "\n" for line in complete]
             if redraw:
                 out.append(_prefixed(redraw, prefix))
-            sink.write("".join(out))
-            sink.flush()
+            try:
+                sink.write("".join(out))
+                sink.flush()
+            except (OSError, ValueError):  # e.g. `launch ... | head` ended:
+                sink = None  # keep draining, or the child blocks writing
         if not chunk:
             break
     stream.close()
@@ -86,6 +89,16 @@ def _prefixed(text, prefix):
     """`text` with `prefix` at its start and after each carriage return."""
     return "\r".join(prefix + part if part else part
                      for part in text.split("\r"))
+
+
+class _UntilReady(queue.Queue):
+    """A shard's output lines, kept only until its address was read."""
+
+    done = False
+
+    def put(self, item, *args, **kwargs):
+        if not self.done:
+            super().put(item, *args, **kwargs)
 
 
 class ShardProcess:
@@ -117,7 +130,7 @@ class ShardProcess:
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if in_main else None)
-        lines = queue.Queue()
+        lines = _UntilReady()
         self._pump = threading.Thread(
             target=_pump, args=(self.process.stdout, f"[shard {shard_id}] ",
                                 output, lines), daemon=True)
@@ -139,6 +152,7 @@ class ShardProcess:
             match = _READY.search(line)
             if match:
                 self.address = match.group(1)
+        lines.done = True  # later lines only go to `output`
 
     def terminate(self, timeout=10.0):
         """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
@@ -237,14 +251,26 @@ class LocalCluster:
         return False
 
 
-def worker_env(spec, base=None):
-    """The environment a worker process gets: TF_CONFIG and our variables."""
+def worker_addresses(num_workers):
+    """Placeholder worker addresses for TF_CONFIG (keras_geeps itself only
+    counts them): free ports at the time of the call."""
+    return [f"127.0.0.1:{_free_port()}" for _ in range(num_workers)]
+
+
+def worker_env(spec, base=None, workers=None):
+    """The environment a worker process gets: TF_CONFIG and our variables.
+
+    Args:
+        spec: the worker's `ClusterSpec`.
+        base: the environment to start from. Defaults to os.environ.
+        workers: every worker's address for TF_CONFIG, the same list for
+            all workers of a job. Defaults to `worker_addresses(...)`.
+    """
     env = dict(os.environ if base is None else base)
     tf_config = {
         "cluster": {
             "ps": [a.replace("tcp://", "") for a in spec.shards],
-            "worker": [f"127.0.0.1:{_free_port()}"
-                       for _ in range(spec.num_workers)],
+            "worker": list(workers or worker_addresses(spec.num_workers)),
         },
         "task": {"type": "worker", "index": spec.worker_id},
     }
@@ -273,12 +299,17 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                            output=output, shard_args=shard_args)
     workers, pumps = [], []
     failure = None
+    addresses = worker_addresses(num_workers)
+    in_main = threading.current_thread() is threading.main_thread()
+    saved = _stop_on_signals() if in_main else {}
     try:
         for worker_id in range(num_workers):
             process = subprocess.Popen(
-                command, env=worker_env(cluster.spec(worker_id)),
+                command, env=worker_env(cluster.spec(worker_id),
+                                        workers=addresses),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True)
+                stdin=subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=_die_with_parent if in_main else None)
             pump = threading.Thread(target=_pump, args=(
                 process.stdout, f"[worker {worker_id}] ", output), daemon=True)
             pump.start()
@@ -303,22 +334,54 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
             time.sleep(poll_interval)
     except KeyboardInterrupt:
         failure = ("interrupted", 130)
+    except _Stopped as stopped:
+        failure = (f"stopped by signal {stopped.signum}",
+                   128 + stopped.signum)
     finally:
-        for process in workers:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        for process in workers:  # and whatever each started in its group
+            _signal_group(process.pid, signal.SIGTERM)
         for process in workers:
             try:
                 process.wait(10)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                _signal_group(process.pid, signal.SIGKILL)
                 process.wait()
         for pump in pumps:
             pump.join(2.0)
         cluster.stop()
     if failure is not None:
-        output.write(f"keras-geeps launch: {failure[0]}; stopped the other "
-                     f"processes\n")
-        output.flush()
+        try:
+            output.write(f"keras-geeps launch: {failure[0]}; stopped the "
+                         f"other processes\n")
+            output.flush()
+        except (OSError, ValueError):
+            pass
         return failure[1]
     return 0
+
+
+class _Stopped(Exception):
+    """The launcher got SIGTERM or SIGHUP: stop every process it started."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_on_signals():
+    """Makes SIGTERM and SIGHUP raise `_Stopped` (main thread only);
+    returns the handlers they had."""
+    def stop(signum, _frame):
+        raise _Stopped(signum)
+
+    return {signum: signal.signal(signum, stop)
+            for signum in (signal.SIGTERM, signal.SIGHUP)}
+
+
+def _signal_group(pid, signum):
+    try:
+        os.killpg(pid, signum)
+    except ProcessLookupError:  # the group is gone already
+        pass

@@ -1,10 +1,15 @@
 """The `keras-geeps` command line against real shard processes."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
+
+from keras_geeps.launch import launch
 
 
 def _cli(*args, timeout=60):
@@ -75,3 +80,89 @@ def test_checkpoint_on_request(process_cluster, tmp_path):
     (spec, clock, rows), = checkpoint.load(tmp_path, 0, 1, 1).values()
     assert spec["name"] == "t" and clock == 3
     np.testing.assert_array_equal(rows, np.full((4, 4), 4.0))
+
+
+def test_launch_gives_every_worker_the_same_tf_config(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import json, os\n"
+        "config = json.loads(os.environ['TF_CONFIG'])\n"
+        "print('cluster', json.dumps(config['cluster'], sort_keys=True),"
+        " flush=True)\n")
+    result = _cli("launch", "--workers", "3", "--shards", "1", "--",
+                  sys.executable, str(script))
+    assert result.returncode == 0, result.stdout + result.stderr
+    clusters = {line.split("cluster ", 1)[1]
+                for line in result.stdout.splitlines() if "cluster " in line}
+    assert len(clusters) == 1 and len(json.loads(clusters.pop())[
+        "worker"]) == 3
+
+
+def test_sigterm_to_the_launcher_stops_its_workers(tmp_path):
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_geeps", "launch", "--workers", "1",
+         "--shards", "1", "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.1)
+        worker = int(pid_file.read_text())
+        launcher.send_signal(signal.SIGTERM)
+        out, _ = launcher.communicate(timeout=30)
+        assert launcher.returncode == 128 + signal.SIGTERM, out
+        assert "stopped by signal" in out
+        assert not _alive(worker)
+    finally:
+        launcher.kill()
+
+
+def test_launch_survives_a_closed_output():
+    class ClosedPipe:  # `keras-geeps launch ... | head -1` after head left
+        lines = 0
+
+        def write(self, text):
+            self.lines += 1
+            if self.lines > 1:
+                raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    started = time.monotonic()
+    code = launch([sys.executable, "-c",
+                   "for i in range(200000): print('line', i)"], 1, 1,
+                  output=ClosedPipe())
+    assert code == 0
+    assert time.monotonic() - started < 60  # the worker never blocked
+
+
+def test_keygen_writes_private_secrets_and_keeps_existing_keys(tmp_path):
+    keys = tmp_path / "keys"
+    result = _cli("keygen", str(keys), "shard", "worker0")
+    assert result.returncode == 0, result.stderr
+    assert os.stat(keys).st_mode & 0o777 == 0o700
+    assert os.stat(keys / "shard.key_secret").st_mode & 0o777 == 0o600
+    assert os.stat(keys / "shard.key").st_mode & 0o777 == 0o644
+    before = (keys / "shard.key").read_bytes()
+    result = _cli("keygen", str(keys), "shard")
+    assert result.returncode == 1 and "exists" in result.stderr
+    assert (keys / "shard.key").read_bytes() == before
+    assert _cli("keygen", "--force", str(keys), "shard").returncode == 0
+    assert (keys / "shard.key").read_bytes() != before
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split(") ")[1][0] != "Z"

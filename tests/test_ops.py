@@ -449,6 +449,18 @@ def test_library_is_cached_and_loaded_from_cache():
     assert os.path.getmtime(path) == mtime
 
 
+def test_pruning_removes_older_builds_and_killed_builds_staging(tmp_path):
+    for name in ("tf2.21.0-cpu-old", "tf2.21.0-cpu-new",
+                 ".tf2.21.0-cpu-new-killed1", ".tf2.21.0-cpu-old-killed2",
+                 ".old-tf2.21.0-cpu-new-x", "tf2.21.0-cuda-other"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "tf2.21.0-cpu-old.lock").touch()
+    (tmp_path / "tf2.21.0-cpu-new.lock").touch()
+    _build._prune_stale(tmp_path, "tf2.21.0-cpu-new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "tf2.21.0-cpu-new", "tf2.21.0-cpu-new.lock", "tf2.21.0-cuda-other"]
+
+
 def _python(code, env_extra, timeout=300):
     env = dict(os.environ, PYTHONPATH=str(REPO), TF_CPP_MIN_LOG_LEVEL="3",
                **env_extra)

@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from keras_geeps import checkpoint
+from keras_geeps import checkpoint, protocol
 from keras_geeps.errors import GeePSError, GeePSWorkerFailedError
 from keras_geeps.launch import LocalCluster
 from tests.worker_threads import run_worker_threads
@@ -40,6 +40,16 @@ def test_checkpoint_write_is_atomic_and_round_trips(tmp_path, monkeypatch):
     (tmp_path / "shard-0-of-2.ckpt.npz").write_bytes(b"torn")
     with pytest.raises(checkpoint.CheckpointError, match="cannot read"):
         checkpoint.load(tmp_path, 0, 2, 3)
+    # Rows of another dtype than the spec's are refused, not converted.
+    checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, 10, rows.astype(float))})
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="holds float64 rows, spec says float32"):
+        checkpoint.load(tmp_path, 0, 2, 3)
+    bf16 = dict(spec, dtype="bfloat16")
+    rows16 = rows.astype(protocol.numpy_dtype("bfloat16"))
+    checkpoint.write(tmp_path, 0, 2, 3, {7: (bf16, 10, rows16)})
+    np.testing.assert_array_equal(checkpoint.load(tmp_path, 0, 2, 3)[7][2],
+                                  rows16)
 
 
 def _counter_workers(cluster, clocks, on_clock=None, timeout=60):
