@@ -1,6 +1,7 @@
 """The device-resident cache (TF variables + custom ops) against numpy sums."""
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from keras_geeps.client.device_cache import DeviceParameterCache
@@ -38,3 +39,49 @@ def test_two_workers_row_subsets_match_numpy(thread_cluster):
         init[np.unique(rows[v])] += (v + 1) * 4
     np.testing.assert_array_equal(results[0], init)
     np.testing.assert_array_equal(results[1], init)
+
+
+def test_index_of_a_dead_handle_is_never_reused(thread_cluster):
+    """Handles recorded per step (rows differ per batch) die and their ids
+    are reused: each read must still return its own rows."""
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=20) as client:
+        cache = DeviceParameterCache(client, max_indexes=4)
+        init = np.arange(100 * 4, dtype=np.float32).reshape(100, 4)
+        table = client.create_table("emb", 100, 4, init=init)
+        for step in range(20):
+            with client.virtual_iteration() as vi:
+                rows = np.array([step, step + 50])
+                handle = vi.read(table, rows)
+            np.testing.assert_array_equal(cache.read(handle).numpy(),
+                                          init[rows])
+            del handle
+            cache.clock()
+        assert len(cache._tables[table.id].indexes) <= 4
+
+
+def test_rows_in_the_callers_order_with_repeats(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=20) as client:
+        cache = DeviceParameterCache(client)
+        init = np.arange(20, dtype=np.float32).reshape(10, 2)
+        table = client.create_table("emb", 10, 2, init=init)
+        batch_rows = np.array([7, 3, 3])  # unsorted, a repeat
+        with client.virtual_iteration() as vi:
+            h_read = vi.read(table, batch_rows)
+            h_update = vi.update(table, batch_rows)
+        # Without rows=: the handle's rows, sorted and unique.
+        np.testing.assert_array_equal(cache.read(h_read).numpy(),
+                                      init[[3, 7]])
+        np.testing.assert_array_equal(
+            cache.read(h_read, rows=batch_rows).numpy(), init[batch_rows])
+        delta = np.array([[1, 1], [2, 2], [4, 4]], np.float32)
+        with pytest.raises(ValueError, match="delta has 3 rows"):
+            cache.update(h_update, tf.constant(delta))
+        with pytest.raises(ValueError, match="not rows of"):
+            cache.read(h_read, rows=[5])
+        cache.update(h_update, tf.constant(delta), rows=batch_rows)
+        cache.clock()
+        expected = init.copy()
+        np.add.at(expected, batch_rows, delta)
+        np.testing.assert_array_equal(cache.read(table).numpy(), expected)

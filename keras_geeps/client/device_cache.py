@@ -7,15 +7,26 @@ GPU memory, and every access is one batched kernel over a pre-built index.
 update-log variable of the same shape. Data moves only through the custom
 ops: fresh rows from the shards are written into the cache variable with
 `unpack`; a read is one `gather_rows` over the access's pre-built index;
-an update is one `scatter_add_rows` into the log (duplicate rows add up);
-`clock()` packs the log into one contiguous buffer with `pack` and hands it
+an update is one `scatter_add_rows` into the log; `clock()` packs the log into one contiguous buffer with `pack` and hands it
 to the client to send.
 
 `GeePSStrategy` does not need this class (a Keras model's own variables are
 its cache); it serves custom code that reads and updates row subsets, e.g.
 embedding tables.
+
+Row order: an `AccessHandle` holds its rows sorted and unique (the virtual
+iteration records which rows an access touches, not the caller's order).
+`read(handle)` returns those rows in that order and `update(handle, delta)`
+takes one delta row per handle row, in that order. To read or update in
+your own order, with repeats (an embedding batch), pass `rows=`: `read`
+then returns `len(rows)` rows in that order and `update` adds `delta[i]`
+into row `rows[i]`, duplicate rows adding up; every row must be one the
+handle recorded.
 """
 
+import collections
+
+import numpy as np
 import tensorflow as tf
 
 from keras_geeps import ops
@@ -36,7 +47,9 @@ class _CachedTable:
         self.layout = ops.PackLayout([self.cache])
         self.ages = None      # the shard data ages the cache holds
         self.dirty = False    # the log holds updates not yet sent
-        self.indexes = {}     # id(handle) -> int64 index tensor
+        # id(handle) -> (handle, int64 index tensor), least recently used
+        # first; holding the handle keeps its id from being reused.
+        self.indexes = collections.OrderedDict()
 
 
 class DeviceParameterCache:
@@ -46,6 +59,8 @@ class DeviceParameterCache:
         client: the worker's `GeePSClient`.
         device: where the variables live. Defaults to None: the first GPU if
             one is visible, else the CPU.
+        max_indexes: how many handles' index tensors each table keeps (the
+            least recently used are dropped). Defaults to 256.
 
     Example:
 
@@ -55,14 +70,17 @@ class DeviceParameterCache:
     with client.virtual_iteration() as vi:
         h_read = vi.read(emb, rows=batch_rows)
         h_update = vi.update(emb, rows=batch_rows)
-    vectors = cache.read(h_read)                # one gather kernel
+    vectors = cache.read(h_read)                # one gather kernel, the
+                                                # rows sorted and unique
     cache.update(h_update, -0.1 * grads)        # one scatter-add kernel
+    batch = cache.read(h_read, rows=batch_rows)  # the caller's order
     cache.clock()                               # one pack, one send
     ```
     """
 
-    def __init__(self, client, device=None):
+    def __init__(self, client, device=None, max_indexes=256):
         self.client = client
+        self.max_indexes = int(max_indexes)
         if device is None:
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")
@@ -79,12 +97,35 @@ class DeviceParameterCache:
         return self.client.handle_for(what)
 
     def _index(self, entry, handle):
-        index = entry.indexes.get(id(handle))
-        if index is None:
-            with tf.device(self.device):
-                index = tf.constant(handle.rows, tf.int64)
-            entry.indexes[id(handle)] = index
+        cached = entry.indexes.get(id(handle))
+        if cached is not None and cached[0] is handle:
+            entry.indexes.move_to_end(id(handle))
+            return cached[1]
+        with tf.device(self.device):
+            index = tf.constant(handle.rows, tf.int64)
+        entry.indexes[id(handle)] = (handle, index)
+        while len(entry.indexes) > self.max_indexes:
+            entry.indexes.popitem(last=False)
         return index
+
+    def _rows_index(self, handle, rows):
+        """The index for `rows` (any order, repeats) of `handle`'s rows."""
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if handle.rows is not None and rows.size:
+            pos = np.searchsorted(handle.rows, rows)
+            pos = np.minimum(pos, len(handle.rows) - 1)
+            missing = rows[handle.rows[pos] != rows] if len(handle.rows) \
+                else rows
+            if missing.size:
+                raise ValueError(
+                    f"rows {missing[:8].tolist()} are not rows of {handle!r}:"
+                    " record them in the virtual iteration's access")
+        elif rows.size and (rows.min() < 0 or
+                            rows.max() >= handle.table.rows):
+            raise ValueError(f"rows outside table {handle.table.name!r} of "
+                             f"{handle.table.rows} rows")
+        with tf.device(self.device):
+            return tf.constant(rows, tf.int64)
 
     def refresh(self, what):
         """Waits per the slack, then moves newer shard rows into the cache."""
@@ -98,28 +139,58 @@ class DeviceParameterCache:
         ops.unpack(host.reshape(-1), [entry.cache], entry.layout)
         return entry
 
-    def read(self, what):
+    def read(self, what, rows=None):
         """Returns the rows of an access (a `Tensor`), fresh per the slack.
 
         Args:
             what: a `Table`, its name, or an `AccessHandle`.
+            rows: optional row ids, any order, repeats allowed, all rows of
+                the access. Defaults to None: the access's rows, sorted and
+                unique (every row for a whole table).
+
+        Returns:
+            A `[len(rows), width]` tensor, rows in the order asked.
         """
         handle = self._handle(what)
         entry = self.refresh(handle)
+        if rows is not None:
+            return ops.gather_rows(entry.cache,
+                                   self._rows_index(handle, rows))
         if handle.rows is None:
             return tf.identity(entry.cache)
         return ops.gather_rows(entry.cache, self._index(entry, handle))
 
-    def update(self, what, delta):
+    def update(self, what, delta, rows=None):
         """Adds `delta` (rows of the access) into the table's update log.
 
         Args:
             what: a `Table`, its name, or an `AccessHandle`.
-            delta: a tensor of shape (rows accessed, width).
+            delta: a tensor of shape (rows, width): one row per row of the
+                access (sorted, unique), or per entry of `rows`.
+            rows: optional row ids, any order, repeats allowed (they add
+                up), all rows of the access. Defaults to None.
+
+        Raises:
+            ValueError: `delta` has not one row per row updated.
         """
         handle = self._handle(what)
         entry = self._entry(handle.table)
-        if isinstance(handle, AccessHandle) and handle.rows is not None:
+        shape = np.shape(delta)
+        count = int(shape[0]) if len(shape) else 0
+        if rows is not None:
+            index = self._rows_index(handle, rows)
+            if count != int(index.shape[0]):
+                raise ValueError(
+                    f"update of {handle.name!r}: delta has {count} rows for "
+                    f"{int(index.shape[0])} entries of rows")
+            ops.scatter_add_rows(entry.log, index, delta)
+        elif isinstance(handle, AccessHandle) and handle.rows is not None:
+            if count != len(handle.rows):
+                raise ValueError(
+                    f"update of {handle.name!r}: delta has {count} rows, the "
+                    f"access {len(handle.rows)} (its rows, sorted and unique, "
+                    f"begin {handle.rows[:8].tolist()}): to update in your "
+                    "own order, with repeats, pass rows=")
             ops.scatter_add_rows(entry.log, self._index(entry, handle), delta)
         else:
             entry.log.assign_add(tf.reshape(delta, entry.log.shape))

@@ -19,7 +19,8 @@ access can be brought in while the current one is in use (double
 buffering), in first-access order, as GeePS does.
 
 The device then holds at most
-    resident tables + pool + activations kept on the device
+    resident tables + non-trainable variables + pool
+    + activations kept on the device
 (+ the offloaded activations on their way out: at most three consecutive
 ones), and the plan fits when that is within the budget. Tables are
 staged in first-access order (the first layers' data waits longest between
@@ -69,7 +70,9 @@ class MemoryPlan:
             again from its saved input, because its parameters or input
             left the device).
         resident_bytes: tables (parameters + optimizer state) kept on the
-            device.
+            device, plus every non-trainable variable (frozen layers,
+            BatchNorm statistics: never staged, `fixed_bytes`).
+        fixed_bytes: the non-trainable variables' bytes.
         staged_bytes: tables kept in host memory.
         peak_working_set: the largest staged working set of one step.
         pool_bytes: the access pool, 2 x `peak_working_set`.
@@ -95,6 +98,7 @@ class MemoryPlan:
         (self.device_bytes, self.pool_bytes, self.peak_working_set,
          self.resident_bytes, self.activation_device_bytes) = figures
         units = sequence.units
+        self.fixed_bytes = sequence.fixed_bytes
         self.staged_bytes = sum(u.table_bytes for u, s in
                                 zip(units, self.staged) if s)
         self.activation_host_bytes = sum(u.input_bytes for u, o in
@@ -158,6 +162,7 @@ class MemoryPlan:
         return {
             "budget": self.budget, "resident_bytes": self.resident_bytes,
             "staged_bytes": self.staged_bytes,
+            "fixed_bytes": self.fixed_bytes,
             "peak_working_set": self.peak_working_set,
             "pool_bytes": self.pool_bytes,
             "activation_device_bytes": self.activation_device_bytes,
@@ -192,6 +197,7 @@ class MemoryPlan:
         lines.append(f"budget {_fmt(self.budget)} B; device total "
                      f"{self.device_bytes:,} B = resident "
                      f"{self.resident_bytes:,}"
+                     f" (non-trainable {self.fixed_bytes:,})"
                      f" + pool {self.pool_bytes:,} (2 x peak working set "
                      f"{self.peak_working_set:,}) + activations "
                      f"{self.activation_device_bytes:,}")
@@ -234,8 +240,8 @@ def _evaluate(sequence, staged, offloaded):
     units = sequence.units
     peak = max(_working_sets(sequence, staged, offloaded), default=0)
     pool = 2 * peak
-    resident = sum(u.table_bytes for u in units
-                   if u.has_params and not staged[u.index])
+    resident = sequence.fixed_bytes + sum(
+        u.table_bytes for u in units if u.has_params and not staged[u.index])
     kept = sum(u.input_bytes for u in units if not offloaded[u.index])
     moved = [u.input_bytes if offloaded[u.index] else 0 for u in units]
     # On its way out an offloaded activation is still on the device while
@@ -304,7 +310,8 @@ class _Search:
         self.last = len(units) - 1
         self.staged = [False] * len(units)
         self.offloaded = [i in forced for i in range(len(units))]
-        self.resident = sum(u.table_bytes for u in units if u.has_params)
+        self.resident = sequence.fixed_bytes + sum(
+            u.table_bytes for u in units if u.has_params)
         self.kept = sum(u.input_bytes for i, u in enumerate(units)
                         if not self.offloaded[i])
         self.output = sequence.output_bytes

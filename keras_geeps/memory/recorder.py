@@ -34,6 +34,9 @@ class UnitRecord:
         param_bytes: bytes of its trainable variables (its parameter table).
         state_bytes: bytes of its optimizer state (e.g. momentum); GeePS
             treats it as local data, staged with the table here.
+        fixed_bytes: bytes of its non-trainable variables (a frozen
+            layer's weights, BatchNorm statistics, seed states): never
+            staged, always on the device.
         input_bytes: bytes of its input for one batch, kept from the forward
             pass to the backward pass.
         output_bytes: bytes of its output for one batch.
@@ -47,11 +50,12 @@ class UnitRecord:
     """
 
     __slots__ = ("index", "name", "param_bytes", "state_bytes", "input_bytes",
-                 "output_bytes", "backward", "needs_output", "flops")
+                 "output_bytes", "backward", "needs_output", "flops",
+                 "fixed_bytes")
 
     def __init__(self, index, name, param_bytes, input_bytes, output_bytes=0,
                  state_bytes=0, backward="autodiff", needs_output=False,
-                 flops=0):
+                 flops=0, fixed_bytes=0):
         if backward not in ("explicit", "autodiff"):
             raise ValueError(f"backward must be 'explicit' or 'autodiff', "
                              f"not {backward!r}")
@@ -67,6 +71,7 @@ class UnitRecord:
         self.backward = backward
         self.needs_output = bool(needs_output)
         self.flops = int(flops)
+        self.fixed_bytes = int(fixed_bytes)
 
     @property
     def has_params(self):
@@ -209,6 +214,11 @@ class AccessSequence:
         return sum(u.state_bytes for u in self.units)
 
     @property
+    def fixed_bytes(self):
+        """Non-trainable variables: always on the device."""
+        return sum(u.fixed_bytes for u in self.units)
+
+    @property
     def activation_bytes(self):
         return sum(u.input_bytes for u in self.units) + self.output_bytes
 
@@ -282,7 +292,8 @@ def _dense_flops(layer, input_shape):
     return 0
 
 
-def record_model(model, batch_size, state_bytes=None, layers=None):
+def record_model(model, batch_size, state_bytes=None, layers=None,
+                 fixed_bytes=None):
     """Records one training step of `model` as an `AccessSequence`.
 
     Nothing is computed: the sizes come from the variables and from Keras'
@@ -293,6 +304,8 @@ def record_model(model, batch_size, state_bytes=None, layers=None):
         batch_size: the training batch size.
         state_bytes: optional list (one per layer) of optimizer-state bytes.
             Defaults to None (no state).
+        fixed_bytes: optional list (one per layer) of non-trainable bytes.
+            Defaults to None: each layer's `non_trainable_variables`.
         layers: the chain, if already extracted. Defaults to None.
 
     Returns:
@@ -312,6 +325,12 @@ def record_model(model, batch_size, state_bytes=None, layers=None):
     if input_shape is None:
         raise ValueError("the model has no known input shape: build it with "
                          "a keras.Input")
+    if any(d is None for d in input_shape[1:]):
+        raise ValueError(
+            f"the model's input shape {input_shape} has a dimension of "
+            "unknown size: the memory plan needs a fixed input shape (give "
+            "keras.Input a full shape, e.g. pad variable-length sequences "
+            "to one length)")
     spec = keras.KerasTensor((batch_size,) + tuple(input_shape[1:]),
                              dtype=model.inputs[0].dtype)
     units = []
@@ -324,6 +343,8 @@ def record_model(model, batch_size, state_bytes=None, layers=None):
             state_bytes=state_bytes[i] if state_bytes else 0,
             backward="explicit" if explicit else "autodiff",
             needs_output=needs_output,
-            flops=_dense_flops(layer, spec.shape)))
+            flops=_dense_flops(layer, spec.shape),
+            fixed_bytes=(fixed_bytes[i] if fixed_bytes is not None else
+                         _variable_bytes(layer.non_trainable_variables))))
         spec = out
     return AccessSequence(units, batch_size=batch_size)

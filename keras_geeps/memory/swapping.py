@@ -176,8 +176,11 @@ class AccessPool:
         self.wait_seconds += time.perf_counter() - started
 
     def release(self, nbytes):
+        nbytes = int(nbytes)
+        if nbytes < 0:  # would reserve past the capacity unchecked
+            raise GeePSError(f"access pool: cannot release {nbytes:,} bytes")
         with self._cond:
-            self.reserved -= int(nbytes)
+            self.reserved -= nbytes
             if self.reserved < 0:
                 raise GeePSError("access pool: released more than reserved")
             self._cond.notify_all()

@@ -62,6 +62,68 @@ def _tf_variable(variable):
     raise TypeError(f"{variable!r} is no TensorFlow-backed variable")
 
 
+def _global_seed_state():
+    """The tf.Variable of Keras' global `SeedGenerator` (the one random ops
+    without a `seed`, e.g. `keras.random.dropout(x, 0.5)`, draw from)."""
+    from keras.src.random.seed_generator import \
+        global_seed_generator  # noqa: PLC0415
+    return _tf_variable(global_seed_generator().state)
+
+
+# Model methods that read the weights: they materialize first.
+_WEIGHT_READERS = ("get_weights", "save_weights", "save")
+
+
+def _non_trainable(layers):
+    """The layers' non-trainable tf.Variables, each once."""
+    seen, out = set(), []
+    for layer in layers:
+        for v in layer.non_trainable_variables:
+            tv = _tf_variable(v)
+            if id(tv) not in seen:
+                seen.add(id(tv))
+                out.append(tv)
+    return out
+
+
+def _fixed_bytes(layers):
+    """Per layer, bytes of its non-trainable variables (counted once)."""
+    seen, out = set(), []
+    for layer in layers:
+        total = 0
+        for v in layer.non_trainable_variables:
+            tv = _tf_variable(v)
+            if id(tv) not in seen:
+                seen.add(id(tv))
+                total += tensor_bytes(tv)
+        out.append(total)
+    return out
+
+
+def _probe_state_bytes(optimizer, layers):
+    """Per layer, the bytes its optimizer state will take, measured on
+    host stand-ins (so nothing is allocated on the device)."""
+    import keras  # noqa: PLC0415
+    sizes = []
+    with tf.device("/cpu:0"):
+        for layer in layers:
+            if not layer.trainable_variables:
+                sizes.append(0)
+                continue
+            probe = _clone_optimizer(optimizer)
+            before = {id(v) for v in probe.variables}
+            # not trainable: inside a GeePSStrategy's scope a trainable
+            # variable would become a parameter table
+            stand_ins = [keras.Variable(tf.zeros(v.shape, v.dtype),
+                                        dtype=v.dtype, trainable=False)
+                         for v in layer.trainable_variables]
+            probe.build(stand_ins)
+            sizes.append(sum(tensor_bytes(_tf_variable(v))
+                             for v in probe.variables
+                             if id(v) not in before))
+    return sizes
+
+
 def _clone_optimizer(optimizer):
     config = optimizer.get_config()
     if config.get("global_clipnorm"):
@@ -143,7 +205,16 @@ class _Unit:
         return None, grads
 
     def _backward_explicit(self, x, y, dy):
+        """Dense's gradient from its input, output and kernel, computed in
+        the layer's compute dtype (as its forward was: a mixed-precision
+        policy casts the kernel, a float64 input is cast) and returned in
+        each variable's dtype, dx in the input's."""
         import keras  # noqa: PLC0415
+        compute = tf.as_dtype(self.layer.compute_dtype)
+        x_dtype = x.dtype
+        x = tf.cast(x, compute)
+        y = tf.cast(y, compute)
+        dy = tf.cast(dy, compute)
         act = self.layer.activation
         if act is keras.activations.relu:
             dz = tf.raw_ops.ReluGrad(gradients=dy, features=y)
@@ -154,7 +225,7 @@ class _Unit:
         else:
             dz = dy
         kernel = _tf_variable(self.layer.kernel)
-        w = kernel.read_value()
+        w = tf.cast(kernel.read_value(), compute)
         x2 = tf.reshape(x, [-1, w.shape[0]])
         dz2 = tf.reshape(dz, [-1, w.shape[1]])
         grads = {id(kernel): tf.matmul(x2, dz2, transpose_a=True)}
@@ -163,7 +234,8 @@ class _Unit:
         dx = None
         if self.want_dx:
             dx = tf.reshape(tf.matmul(dz2, w, transpose_b=True), tf.shape(x))
-        return dx, [grads[id(v)] for v in self.tf_params]
+            dx = tf.cast(dx, x_dtype)
+        return dx, [tf.cast(grads[id(v)], v.dtype) for v in self.tf_params]
 
     def _backward_apply(self, x, y, dy):
         """The explicit backward and the optimizer's update, in one call."""
@@ -175,13 +247,21 @@ class _Unit:
         self.optimizer.apply(grads, self.params)
 
     def snapshot_state(self):
-        """Copies of the non-trainable variables (before a forward that will
-        be recomputed)."""
-        return [tf.identity(v.read_value()) for v in self.nt]
+        """Copies of the non-trainable variables and of Keras' global seed
+        generator (before a forward that will be recomputed)."""
+        return ([tf.identity(v.read_value()) for v in self.nt],
+                _global_seed_state().read_value())
 
     def restore_state(self, values):
-        for v, value in zip(self.nt, values):
+        """Puts back what `snapshot_state` copied; returns the global seed
+        generator's state before (to put back after the recompute)."""
+        variables, seed = values
+        for v, value in zip(self.nt, variables):
             v.assign(value)
+        state = _global_seed_state()
+        now = state.read_value()
+        state.assign(seed)
+        return now
 
     # ---------------------------------------------------------- staging
     def _fill(self, variables, hosts):
@@ -227,7 +307,9 @@ class LayerwiseTrainer:
 
     Between steps the staged layers' variables hold no storage: call
     `materialize()` (or `GeePSStrategy.sync()`) before evaluating, predicting
-    or saving; the next `train_step` releases them again.
+    or calling the model; the next `train_step` releases them again.
+    `model.get_weights()`, `model.save_weights()` and `model.save()`
+    materialize by themselves, so they never return or write empty weights.
 
     Example:
 
@@ -271,12 +353,21 @@ class LayerwiseTrainer:
         self.sync = sync
         self.layers = chain_layers(model)
         self._verify_chain()
+        self._input_dtype = tf.as_dtype(model.inputs[0].dtype)
+        fixed = _fixed_bytes(self.layers)
+        if device_memory_budget is not None:
+            # Plan before any optimizer slot exists: one that cannot fit
+            # fails here, not after the whole state sat on the device.
+            make_plan(record_model(
+                model, batch_size, layers=self.layers, fixed_bytes=fixed,
+                state_bytes=_probe_state_bytes(optimizer, self.layers)),
+                device_memory_budget, offload_activations)
         self.units = [
             _Unit(i, layer, _clone_optimizer(optimizer)
                   if layer.trainable_variables else None, device)
             for i, layer in enumerate(self.layers)]
         self.sequence = record_model(
-            model, batch_size, layers=self.layers,
+            model, batch_size, layers=self.layers, fixed_bytes=fixed,
             state_bytes=[u.table_bytes - u.param_bytes for u in self.units])
         for unit, record in zip(self.units, self.sequence.units):
             unit.record = record
@@ -304,16 +395,20 @@ class LayerwiseTrainer:
         self.swapped_out_bytes = 0
         if sync is not None:
             self._attach_sync(sync)
-        self._audit_all = [v for u in self.units for v in u.tf_all]
+        self._fixed = _non_trainable(self.layers)
+        self._audit_all = [v for u in self.units for v in u.tf_all] + \
+            self._fixed
         with self._locked():
-            resident = sum(u.table_bytes for u in self.units
-                           if not self.plan.staged[u.index])
+            resident = self.sequence.fixed_bytes + sum(
+                u.table_bytes for u in self.units
+                if not self.plan.staged[u.index])
             staged = [u for u in self.units if self.plan.staged[u.index]]
             for unit in staged:
                 self.store.put(unit.index, unit.stash())
             self.ledger.change("resident", resident, "setup")
         self.prefetcher = Worker("geeps-prefetch", device)
         self.writer = Worker("geeps-writeback", device)
+        self._guard_model()
 
     # ------------------------------------------------------------ set-up
     def _verify_chain(self):
@@ -380,9 +475,10 @@ class LayerwiseTrainer:
 
     def measure_device_bytes(self):
         """Measured device bytes now: {"resident": tables the plan keeps on
-        the device, "staged": storage the staged layers' variables hold}."""
+        the device and the non-trainable variables, "staged": storage the
+        staged layers' variables hold}."""
         resident = [v for u in self.units if not self.plan.staged[u.index]
-                    for v in u.tf_all]
+                    for v in u.tf_all] + self._fixed
         staged = [v for u in self.units if self.plan.staged[u.index]
                   for v in u.tf_all]
         return {"resident": int(swapping.stored_bytes(resident)),
@@ -455,6 +551,11 @@ class LayerwiseTrainer:
             self._hold(unit.index, act, "pool")
             self.swapped_in_bytes += tensor_bytes(act)
             extra = unit.record.input_bytes - tensor_bytes(act)
+            if extra < 0:
+                raise GeePSError(
+                    f"layer {unit.name!r}: its input has {tensor_bytes(act):,}"
+                    f" bytes, more than the {unit.record.input_bytes:,} the "
+                    "memory plan reserved for it")
             if extra:  # a last, smaller batch
                 self.pool.release(extra)
         if staged:
@@ -553,7 +654,7 @@ class LayerwiseTrainer:
                     functools.partial(self._bring_forward, unit),
                     f"prefetch of {unit.name} (forward)")
         with tf.device(self.device):
-            x = tf.identity(x)
+            x = tf.cast(x, self._input_dtype)  # the dtype the plan sized
         self._hold(0, x, "activations")
         del x
         tapes, states, offload_jobs, release_jobs = {}, {}, {}, {}
@@ -570,8 +671,7 @@ class LayerwiseTrainer:
             if needed and mode == "taped":
                 tapes[i], yi = unit.taped_forward(xi)
             elif needed and mode == "recompute":
-                if unit.nt:
-                    states[i] = unit.snapshot_state()
+                states[i] = unit.snapshot_state()
                 _, yi = unit.taped_forward(xi)  # the same computation
             else:
                 yi = unit.forward(xi)
@@ -632,11 +732,13 @@ class LayerwiseTrainer:
                                                dy)
                 del tape
             else:
-                if i in states:
-                    unit.restore_state(states.pop(i))
+                # the forward's non-trainable state and random draws again;
+                # the global seed generator then goes on as it would have
+                seed_now = unit.restore_state(states.pop(i))
                 tape, yi = unit.taped_forward(xi)
                 dx, grads = unit.tape_gradient(tape, xi, yi, dy)
                 del tape
+                _global_seed_state().assign(seed_now)
             yi = None
             del xi, dy
             self._drop(i + 1)
@@ -712,6 +814,43 @@ class LayerwiseTrainer:
                     self.ledger.change("materialized", unit.table_bytes,
                                        f"materialize {unit.name}")
 
+    def _guard_model(self):
+        """Makes the model's weight readers (`get_weights`, `save_weights`,
+        `save`, and each staged layer's `get_weights`) call `materialize()`
+        first: between steps a staged layer's variables are empty, and
+        reading them would return (or write) empty weights."""
+        self._guarded = []
+        owners = [self.model] + [u.layer for u in self.units
+                                 if self.plan.staged[u.index]]
+        for owner in owners:
+            names = _WEIGHT_READERS if owner is self.model else \
+                ("get_weights",)
+            for name in names:
+                original = getattr(owner, name, None)
+                if original is None or name in vars(owner):
+                    continue
+                object.__setattr__(owner, name,
+                                   self._materializing(original))
+                self._guarded.append((owner, name))
+
+    def _materializing(self, method):
+        @functools.wraps(method)
+        def guarded(*args, **kwargs):
+            if not self._closed and not self._broken:
+                self.materialize()
+            elif not self.materialized and self._broken:
+                raise GeePSError(
+                    "an earlier step failed midway: the staged layers' "
+                    "weights are not in the model's variables")
+            return method(*args, **kwargs)
+        return guarded
+
+    def _unguard_model(self):
+        for owner, name in getattr(self, "_guarded", []):
+            if name in vars(owner):
+                object.__delattr__(owner, name)
+        self._guarded = []
+
     def release(self):
         """Stages the staged layers out again after `materialize()`."""
         if not self._materialized:
@@ -750,6 +889,7 @@ class LayerwiseTrainer:
                 self.materialize()
         finally:
             self._closed = True
+            self._unguard_model()
             self.pool.close()
             self.prefetcher.close()
             self.writer.close()

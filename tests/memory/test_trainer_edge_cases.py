@@ -1,0 +1,268 @@
+"""The layer-wise trainer on what a plain float32 MLP does not exercise:
+mixed precision, float64 input, frozen layers, reading weights between
+steps, variable-length inputs, unseeded random ops and budgets that fail
+before the optimizer state exists. Every run under a budget is compared
+with the same run without one (or with Keras' own gradients)."""
+
+import keras
+import numpy as np
+import pytest
+
+from keras_geeps.errors import GeePSError
+from keras_geeps.memory import MemoryBudgetError, plan, record_model
+from keras_geeps.memory import trainer as trainer_module
+from keras_geeps.memory.swapping import AccessPool
+from keras_geeps.memory.trainer import LayerwiseTrainer
+from tests.memory.test_trainer import assert_same, keras_reference
+
+BATCH = 4
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def batches(shape, classes, steps=2, batch=BATCH, dtype="float32"):
+    rng = np.random.default_rng(1)
+    return [(rng.standard_normal((batch,) + shape).astype(dtype),
+             rng.integers(0, classes, batch)) for _ in range(steps)]
+
+
+def minimum_budget(build, batch=BATCH, offload_activations=None, **kwargs):
+    trainer = LayerwiseTrainer(build(), keras.optimizers.SGD(0.1), loss_fn(),
+                               batch, **kwargs)
+    try:
+        return plan(trainer.sequence,
+                    offload_activations=offload_activations).minimum_budget
+    finally:
+        trainer.close()
+
+
+def train(build, data, budget=None, batch=BATCH, **kwargs):
+    model = build()
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                               batch, device_memory_budget=budget, audit=True,
+                               **kwargs)
+    try:
+        for x, y in data:
+            trainer.train_step(x, y)
+        stats = trainer.stats()
+        trainer.materialize()
+        return model.get_weights(), trainer.plan, stats
+    finally:
+        trainer.close()
+
+
+# ------------------------------------------------------ 1. compute dtypes
+def dense_stack(policy):
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((32,))]
+            + [keras.layers.Dense(32, activation=a, dtype=policy)
+               for a in ("relu", "sigmoid", "tanh", None)]
+            + [keras.layers.Dense(10, dtype="float32")])
+    return build
+
+
+@pytest.mark.parametrize("policy",
+                         ["bfloat16", "mixed_float16", "mixed_bfloat16"])
+def test_explicit_dense_backward_in_low_precision_policies(policy):
+    build = dense_stack(policy)
+    data = batches((32,), 10)
+    free, free_plan, _ = train(build, data)
+    assert free_plan.modes.count("explicit") == 5
+    budget = minimum_budget(build)
+    weights, p, stats = train(build, data, budget)
+    assert any(p.staged)
+    assert stats["audit_mismatches"] == 0
+    assert stats["audit_peak_bytes"] <= budget
+    assert_same(weights, free)
+    # The explicit backward computes what Keras' autodiff computes (to the
+    # precision of the compute dtype); the weights keep their dtypes.
+    reference = keras_reference(build, data, keras.optimizers.SGD(0.1))
+    for ours, ref in zip(free, reference):
+        assert ours.dtype == ref.dtype
+        np.testing.assert_allclose(np.asarray(ours, np.float32),
+                                   np.asarray(ref, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def wide_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((512,))]
+        + [keras.layers.Dense(16, activation=a)
+           for a in ("gelu", "relu", "gelu")]
+        + [keras.layers.Dense(10)])
+
+
+def test_float64_input_is_cast_and_keeps_to_the_budget():
+    batch = 64
+    budget = minimum_budget(wide_mlp, batch, offload_activations="auto")
+    run = {}
+    for dtype in ("float32", "float64"):
+        data = batches((512,), 10, batch=batch, dtype=dtype)
+        run[dtype] = train(wide_mlp, data, budget, batch=batch,
+                           offload_activations="auto")
+        _, _, stats = run[dtype]
+        assert stats["audit_mismatches"] == 0
+        assert stats["audit_peak_bytes"] <= budget, dtype
+    assert_same(run["float64"][0], run["float32"][0])
+
+
+def test_access_pool_refuses_a_negative_release():
+    pool = AccessPool(100)
+    pool.reserve(60)
+    with pytest.raises(GeePSError, match="cannot release"):
+        pool.release(-50)
+    assert pool.reserved == 60
+
+
+# ------------------------------------------------ 3. non-trainable state
+def frozen_model():
+    keras.utils.set_random_seed(0)
+    frozen = keras.layers.Dense(256, activation="relu", name="frozen")
+    frozen.trainable = False
+    return keras.Sequential([
+        keras.Input((256,)), frozen,
+        keras.layers.Dense(64, activation="relu", name="d1"),
+        keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Dense(10, name="out")])
+
+
+def test_frozen_weights_and_statistics_are_planned_and_audited():
+    model = frozen_model()
+    seq = record_model(model, BATCH)
+    fixed = sum(int(np.prod(v.shape)) * 4
+                for v in model.non_trainable_variables)
+    assert fixed >= 256 * 257 * 4
+    assert seq.fixed_bytes == fixed
+    data = batches((256,), 10)
+    free, _, _ = train(frozen_model, data)
+    budget = minimum_budget(frozen_model)
+    assert budget > fixed
+    weights, p, stats = train(frozen_model, data, budget)
+    assert p.fixed_bytes == fixed and p.resident_bytes >= fixed
+    # The audit measures the frozen weights too: still within the budget.
+    assert stats["audit_mismatches"] == 0
+    assert fixed < stats["audit_peak_bytes"] <= budget
+    assert_same(weights, free)
+    # A budget that fits the tables but not the frozen weights is refused.
+    with pytest.raises(MemoryBudgetError):
+        LayerwiseTrainer(frozen_model(), keras.optimizers.SGD(0.1),
+                         loss_fn(), BATCH, device_memory_budget=budget - 1)
+
+
+# ------------------------------------------- 6. weights between two steps
+def small_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((64,))]
+        + [keras.layers.Dense(64, activation="relu") for _ in range(4)]
+        + [keras.layers.Dense(10)])
+
+
+def test_weights_read_or_saved_between_steps_are_never_empty(tmp_path):
+    data = batches((64,), 10)
+    free, _, _ = train(small_mlp, data)
+    model = small_mlp()
+    budget = plan(record_model(model, BATCH), 10**12).minimum_budget
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                               BATCH, device_memory_budget=budget)
+    try:
+        for x, y in data:
+            trainer.train_step(x, y)
+        assert all(trainer.plan.staged) and not trainer.materialized
+        path = str(tmp_path / "w.weights.h5")
+        model.save_weights(path)
+        assert_same(model.get_weights(), free)
+        assert_same(model.layers[0].get_weights(), free[:2])
+        trainer.train_step(*data[0])  # stages them out again
+        assert not trainer.materialized
+    finally:
+        trainer.close()
+    loaded = small_mlp()
+    loaded.load_weights(path)
+    assert_same(loaded.get_weights(), free)
+    # After close the model's own methods are back.
+    assert "get_weights" not in vars(model)
+
+
+# ------------------------------------------------ 7. variable-length input
+def test_variable_length_input_is_refused_with_a_value_error():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((None, 16)), keras.layers.Dense(16, activation="relu"),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="fixed input shape"):
+        LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(), BATCH,
+                         device_memory_budget=10**6)
+
+
+# ----------------------------------------- 8. the global seed generator
+class Noisy(keras.layers.Layer):
+    """Dropout through Keras' global seed generator (no seed given)."""
+
+    def call(self, x, training=False):
+        return keras.random.dropout(x, 0.5) if training else x
+
+
+def noisy_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((16,)),
+        keras.layers.Dense(16, activation="gelu", name="d0"),
+        Noisy(name="noisy"),
+        keras.layers.Dense(3, activation="gelu", name="d1")])
+
+
+def test_recompute_replays_the_global_seed_generator():
+    x, y = batches((16,), 3, steps=1)[0]
+    results = []
+    for offload in (None, ["noisy"]):
+        trainer = LayerwiseTrainer(noisy_model(), keras.optimizers.SGD(0.1),
+                                   loss_fn(), BATCH,
+                                   offload_activations=offload)
+        try:
+            loss, grads = trainer.compute_gradients(x, y)
+            results.append((float(loss), grads, trainer.plan.modes))
+        finally:
+            trainer.close()
+    assert results[0][2][0] == "taped" and results[1][2][0] == "recompute"
+    assert results[0][0] == results[1][0]
+    for a, b in zip(results[0][1], results[1][1]):
+        assert_same(a, b)
+
+
+# ----------------------------- 9. the plan comes before the optimizer state
+def test_budget_too_small_fails_before_optimizer_state_is_built(monkeypatch):
+    built = []
+
+    class CountingUnit(trainer_module._Unit):
+        def __init__(self, *args, **kwargs):
+            built.append(args[1].name)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "_Unit", CountingUnit)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((128,))]
+            + [keras.layers.Dense(128, activation="relu") for _ in range(8)])
+
+    budget = minimum_budget(build)  # enough for SGD, not for Adam's moments
+    built.clear()
+    with pytest.raises(MemoryBudgetError) as info:
+        LayerwiseTrainer(build(), keras.optimizers.Adam(0.01), loss_fn(),
+                         BATCH, device_memory_budget=budget)
+    assert info.value.minimum_budget > budget
+    assert built == []
+    trainer = LayerwiseTrainer(build(), keras.optimizers.Adam(0.01),
+                               loss_fn(), BATCH,
+                               device_memory_budget=info.value.minimum_budget)
+    try:
+        assert trainer.plan.device_bytes <= info.value.minimum_budget
+    finally:
+        trainer.close()
