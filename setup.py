@@ -41,6 +41,8 @@ setup(
         "tensorflow-datasets",
         "importlib_resources",  # tensorflow-datasets needs it on 3.11
         "filelock",  # one build of the ops when processes import at once
+        # AES-256-GCM (OpenSSL, AES-NI) for CURVE jobs' sealed data channel
+        "cryptography>=42",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn"],

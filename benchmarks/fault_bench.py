@@ -9,7 +9,9 @@ table at every clock, so the final counters must equal workers x clocks:
 anything below is an update lost, anything above one applied twice.
 
 Part 2: CURVE on vs off, in the same run, with shared memory off (the
-traffic of shards on other machines, which is what CURVE is for):
+traffic of shards on other machines, which is what CURVE is for). With
+CURVE keys, the HELLO goes over CURVE and everything else over the sealed
+AES-256-GCM data channel (`keras_geeps.seal`):
   - `curve_vs_plain`: the push+pull round trip of a 16 MB table (1 worker,
     1 shard process), nothing but transfer: the worst case;
   - `curve_vs_plain_fit`: `model.fit` images/s of fit_bench's 1 M model,

@@ -24,14 +24,24 @@ def _cmd_launch(args):
     return launch(command, num_workers=args.workers, num_shards=args.shards)
 
 
-def _ask_all(addresses, msg_type, timeout):
-    """Sends one admin request (STATS, STOP) to every shard; their replies."""
+def _ask_all(args, msg_type):
+    """Sends one admin request (STATS, STOP, CHECKPOINT) to every shard of
+    `args.shards` (over CURVE with `args.curve_secret_key`); their replies."""
     from keras_geeps.client.connection import Future, IOThread  # noqa
     from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
     from keras_geeps.errors import GeePSTimeoutError  # noqa: PLC0415
     from keras_geeps.protocol import Message  # noqa: PLC0415
-    spec = ClusterSpec(addresses.split(","))
-    io = IOThread(spec.shards, lambda *_: None, name="geeps-admin")
+    spec = ClusterSpec(args.shards.split(","))
+    timeout = args.timeout
+    curve = None
+    if args.curve_secret_key or args.curve_server_key:
+        if not (args.curve_secret_key and args.curve_server_key):
+            raise SystemExit("--curve-secret-key and --curve-server-key go "
+                             "together")
+        from keras_geeps.auth import ClientKeys  # noqa: PLC0415
+        curve = ClientKeys(args.curve_secret_key, args.curve_server_key)
+    io = IOThread(spec.shards, lambda *_: None, name="geeps-admin",
+                  curve=curve)
     try:
         replies = []
         for shard, address in enumerate(spec.shards):
@@ -50,20 +60,20 @@ def _ask_all(addresses, msg_type, timeout):
 
 def _cmd_stats(args):
     from keras_geeps.protocol import MsgType  # noqa: PLC0415
-    for reply in _ask_all(args.shards, MsgType.STATS, args.timeout):
+    for reply in _ask_all(args, MsgType.STATS):
         print(json.dumps(json.loads(reply.meta["stats"]), indent=1))
     return 0
 
 
 def _cmd_stop(args):
     from keras_geeps.protocol import MsgType  # noqa: PLC0415
-    _ask_all(args.shards, MsgType.STOP, args.timeout)
+    _ask_all(args, MsgType.STOP)
     return 0
 
 
 def _cmd_checkpoint(args):
     from keras_geeps.protocol import MsgType  # noqa: PLC0415
-    _ask_all(args.shards, MsgType.CHECKPOINT, args.timeout)
+    _ask_all(args, MsgType.CHECKPOINT)
     return 0
 
 
@@ -112,6 +122,11 @@ def build_parser():
         cmd.add_argument("--shards", required=True,
                          help="comma-separated shard addresses")
         cmd.add_argument("--timeout", type=float, default=10.0)
+        cmd.add_argument("--curve-secret-key", default=None,
+                         help="for shards that require CURVE: an allowed "
+                              "client's .key_secret file")
+        cmd.add_argument("--curve-server-key", default=None,
+                         help="... and the shards' public .key file")
         cmd.set_defaults(func=func)
 
     keygen = sub.add_parser(

@@ -23,7 +23,7 @@ import time
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 
-_READY = re.compile(r"serving (tcp://\S+)")
+_READY = re.compile(r"serving (tcp://\S+)(?: \(sealed data (tcp://\S+)\))?")
 
 
 try:  # resolved here: the child may not import or dlopen after fork
@@ -136,7 +136,7 @@ class ShardProcess:
                                 output, lines), daemon=True)
         self._pump.start()
         deadline = time.monotonic() + start_timeout
-        self.address = None
+        self.address = self.data_address = None
         while self.address is None:
             remaining = deadline - time.monotonic()
             try:
@@ -151,7 +151,7 @@ class ShardProcess:
                 continue
             match = _READY.search(line)
             if match:
-                self.address = match.group(1)
+                self.address, self.data_address = match.groups()
         lines.done = True  # later lines only go to `output`
 
     def terminate(self, timeout=10.0):
@@ -173,6 +173,8 @@ class ShardProcess:
     def restart(self, extra_args=()):
         """A new shard process on the same address (after `kill`)."""
         shard_id, num_shards, num_workers, args = self.args
+        if self.data_address:  # the same sealed data address too
+            args += ("--data-bind", self.data_address)
         return ShardProcess(shard_id, num_shards, num_workers,
                             args + tuple(extra_args), self.output,
                             bind=self.address)

@@ -34,7 +34,7 @@ import time
 import numpy as np
 import zmq
 
-from keras_geeps import checkpoint, protocol, shm
+from keras_geeps import checkpoint, protocol, seal, shm
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 
 log = logging.getLogger("keras_geeps.shard")
@@ -305,6 +305,14 @@ class _BufferPool:
                 shared.close()
 
 
+class _Session:
+    """A worker's sealed data session (`keras_geeps.seal`)."""
+
+    def __init__(self, worker, channel):
+        self.worker = worker
+        self.channel = channel
+
+
 class _SeqTracker:
     """Which request sequence numbers of one worker have been handled."""
 
@@ -339,7 +347,11 @@ class ShardServer:
             then replay the updates it does not cover. Defaults to False.
         curve: (secret_key_file, allowed_clients_dir) to require CURVE
             keys (see `keras_geeps.auth`). Defaults to None (no
-            authentication).
+            authentication). Workers then say HELLO over CURVE and send
+            everything else on the sealed data socket (`keras_geeps.seal`).
+        data_bind: the sealed data socket's address, with `curve`.
+            Defaults to `bind`'s host on a free port (`data_address` tells
+            which; a restarted shard must get the same one).
 
     Example:
 
@@ -350,7 +362,7 @@ class ShardServer:
     """
 
     def __init__(self, bind, shard_id, num_shards, num_workers, settings=None,
-                 restore=False, curve=None):
+                 restore=False, curve=None, data_bind=None):
         if not 0 <= shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} is not in "
                              f"[0, {num_shards})")
@@ -384,9 +396,11 @@ class ShardServer:
                       "updates_applied": 0, "duplicates": 0, "errors": 0,
                       "pushes": 0, "checkpoints": 0, "restored_clock": -1,
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
-                      "lent_updates": 0}
+                      "lent_updates": 0, "sealed_in": 0, "sealed_out": 0}
+        self._sessions = {}       # session id -> _Session (sealed data)
         self._context = zmq.Context(io_threads=protocol.IO_THREADS)
-        self._auth = self._socket = self._arena = None
+        self._auth = self._socket = self._arena = self._data = None
+        self.data_address = None
         try:
             if curve is not None:
                 from keras_geeps.auth import ShardAuth  # noqa: PLC0415
@@ -407,6 +421,9 @@ class ShardServer:
             self._socket.bind(bind)
             self.address = self._socket.getsockopt(
                 zmq.LAST_ENDPOINT).decode()
+            if curve is not None:
+                self._data = self._open_data_socket(
+                    data_bind or self.address.rsplit(":", 1)[0] + ":0")
             # Shared memory with co-located workers (keras_geeps.shm).
             if self.settings.shared_memory:
                 self._arena = shm.Arena()
@@ -441,21 +458,18 @@ class ShardServer:
     def serve_forever(self):
         """Serves requests until `stop`, a STOP request or a signal."""
         poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
+        sockets = [(self._socket, self._dispatch)]
+        if self._data is not None:
+            sockets.append((self._data, self._dispatch_sealed))
+        for sock, _ in sockets:
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 self._housekeeping()
-                if not poller.poll(self.settings.poll_timeout_ms):
-                    continue
-                for _ in range(256):  # bounded drain, then housekeeping
-                    try:
-                        frames = self._socket.recv_multipart(
-                            zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._dispatch(frames)
-                    if self._stop.is_set():
-                        break
+                ready = dict(poller.poll(self.settings.poll_timeout_ms))
+                for sock, dispatch in sockets:
+                    if sock in ready:
+                        self._drain(sock, dispatch)
         finally:
             if self._writer is not None:
                 self._writer.join(WRITER_JOIN_S)
@@ -466,7 +480,29 @@ class ShardServer:
             self._close()
             log.info("shard %d stopped", self.shard_id)
 
+    def _open_data_socket(self, address):
+        """The plain ROUTER that sealed messages travel on (with CURVE)."""
+        if not seal.available():
+            raise ImportError("keras_geeps: a shard with CURVE keys needs "
+                              "the `cryptography` package for its sealed "
+                              "data channel (pip install cryptography)")
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # No ROUTER_HANDOVER: a second connection under a session's
+        # routing id (seen in the clear on the wire) must not take over the
+        # worker's replies. Its own reconnect comes after the old
+        # connection closed.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes
+                        + protocol.MAX_HEADER_BYTES + seal.TAG_BYTES)
+        sock.bind(address)
+        self.data_address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        return sock
+
     def _close(self):
+        if self._data is not None:
+            self._data.close(linger=0)
         if self._socket is not None:
             self._socket.close(linger=0)
         if self._arena is not None:
@@ -476,19 +512,62 @@ class ShardServer:
         self._context.term()
 
     # ---------------------------------------------------------- dispatch
+    def _drain(self, sock, dispatch):
+        for _ in range(256):  # bounded, then housekeeping
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.stats["messages_in"] += 1
+            self.stats["bytes_in"] += sum(len(f) for f in frames)
+            if len(frames) < 2:
+                self.stats["errors"] += 1
+                log.warning("shard %d: dropped a message with no header",
+                            self.shard_id)
+                continue
+            dispatch(frames)
+            if self._stop.is_set():
+                return
+
     def _dispatch(self, frames):
-        self.stats["messages_in"] += 1
-        self.stats["bytes_in"] += sum(len(f) for f in frames)
-        if len(frames) < 2:
+        """A message from the main socket (over CURVE when keys are set)."""
+        self._serve(frames[0].bytes, frames[1:])
+
+    def _dispatch_sealed(self, frames):
+        """A sealed message from the data socket: opened, then served as
+        from ("sealed", session). Nothing that does not open is answered,
+        except an unknown session (a restarted shard): hello_required."""
+        route = frames[0].bytes
+        session = self._sessions.get(route)
+        if session is None:
             self.stats["errors"] += 1
-            log.warning("shard %d: dropped a message with no header",
-                        self.shard_id)
+            self._data.send_multipart([route] + protocol.encode(Message(
+                MsgType.ERROR, meta={
+                    "error": "unknown session: say HELLO again (this shard "
+                             "may have restarted)",
+                    "code": protocol.ERROR_HELLO_REQUIRED})))
             return
-        identity = frames[0].bytes
+        try:
+            plain = session.channel.open(frames[1:])
+        except seal.SealError as exc:
+            self.stats["errors"] += 1
+            log.warning("shard %d: dropped a sealed message of worker %d: "
+                        "%s", self.shard_id, session.worker, exc)
+            return
+        self.stats["sealed_in"] += 1
+        self._serve(("sealed", route), plain, session.worker)
+
+    def _serve(self, identity, payload, sealed_worker=None):
         message = None
         try:
             message = protocol.decode(
-                frames[1:], max_message_bytes=self.settings.max_message_bytes)
+                payload, max_message_bytes=self.settings.max_message_bytes)
+            if sealed_worker is not None and message.worker != sealed_worker:
+                raise RequestError(f"worker {sealed_worker}'s session sent a "
+                                   f"request as worker {message.worker}")
+            if sealed_worker is not None and message.type == MsgType.HELLO:
+                raise RequestError("HELLO goes over CURVE, not the sealed "
+                                   "data channel")
             self._handle(identity, message)
         except RequestError as exc:
             self._refuse(identity, message, str(exc), exc.code)
@@ -512,10 +591,20 @@ class ShardServer:
                                      meta=meta))
 
     def _send(self, identity, message, track=False):
+        """Sends `message`; returns a tracker of the zero-copy frames (with
+        `track`), or None when nothing refers to them any more."""
         frames = protocol.encode(message)
         self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes)
                                        else f.nbytes for f in frames)
         try:
+            if isinstance(identity, tuple):  # ("sealed", session)
+                session = self._sessions.get(identity[1])
+                if session is not None:  # sealed copies: nothing to track
+                    self._data.send_multipart(
+                        [identity[1]] + session.channel.seal(frames),
+                        copy=False)
+                    self.stats["sealed_out"] += 1
+                return None
             return self._socket.send_multipart([identity] + frames,
                                                copy=False, track=track)
         except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
@@ -618,6 +707,9 @@ class ShardServer:
             "max_message_bytes": self.settings.max_message_bytes,
             "max_pending_clocks": self.settings.max_pending_clocks,
             "checkpoint_every": self.settings.checkpoint_every}
+        if self._data is not None:
+            welcome["sealed"] = self._new_session(worker)
+            self._seqs[worker].mark(message.seq)  # later ones come sealed
         if self._arena is not None and "shm" in meta:
             peer = shm.PeerBuffers.connect(meta["shm"])
             if peer is not None:  # co-located: it can map ours too
@@ -627,6 +719,20 @@ class ShardServer:
                 welcome["shm_ok"] = False
         self._send(identity, Message(MsgType.WELCOME, seq=message.seq,
                                      meta=welcome))
+
+    def _new_session(self, worker):
+        """A sealed session for `worker` (replacing its earlier one): its
+        replies go there from now on. Returns WELCOME's `sealed` field."""
+        for old in [k for k, v in self._sessions.items()
+                    if v.worker == worker]:
+            del self._sessions[old]
+        keys = seal.new_session()
+        self._sessions[keys["session"]] = _Session(
+            worker, seal.Channel(keys["session"], keys["s2c"], keys["c2s"]))
+        self._identities[worker] = ("sealed", keys["session"])
+        port = int(self.data_address.rsplit(":", 1)[1])
+        return [port, keys["session"].hex(), keys["c2s"].hex(),
+                keys["s2c"].hex()]
 
     # ------------------------------------------------------ shared memory
     def _new_table(self, table_id, spec):
@@ -1302,6 +1408,10 @@ def build_parser(parser=None):
                         help="this shard's .key_secret file: require CURVE")
     parser.add_argument("--curve-allowed-clients", default=None,
                         help="folder of allowed clients' public .key files")
+    parser.add_argument("--data-bind", default=None,
+                        help="with CURVE: the sealed data socket's address "
+                             "(default: --bind's host, a free port; give "
+                             "a restarted shard the one it printed)")
     parser.add_argument("--no-shared-memory", action="store_true",
                         help="never exchange rows with co-located workers "
                              "through shared memory (also: "
@@ -1333,11 +1443,13 @@ def run_from_args(args):
         curve = (args.curve_secret_key, args.curve_allowed_clients)
     server = ShardServer(args.bind, args.shard_id, args.num_shards,
                          args.num_workers, settings, restore=args.restore,
-                         curve=curve)
+                         curve=curve, data_bind=args.data_bind)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.request_stop())
+    data = f" (sealed data {server.data_address})" \
+        if server.data_address else ""
     print(f"keras_geeps shard {args.shard_id}/{args.num_shards} serving "
-          f"{server.address}", flush=True)
+          f"{server.address}{data}", flush=True)
     started = time.monotonic()
     server.serve_forever()
     print(f"keras_geeps shard {args.shard_id} stopped after "

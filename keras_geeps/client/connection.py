@@ -15,7 +15,7 @@ import time
 
 import zmq
 
-from keras_geeps import protocol
+from keras_geeps import protocol, seal
 from keras_geeps.errors import GeePSError, GeePSServerError
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 
@@ -59,6 +59,14 @@ class Future:
         self.event.set()
 
 
+class _SealedLink:
+    """A shard's sealed data socket and the session's channel."""
+
+    def __init__(self, socket, channel):
+        self.socket = socket
+        self.channel = channel
+
+
 class IOThread:
     """Owns one DEALER socket per shard and moves messages both ways.
 
@@ -94,6 +102,8 @@ class IOThread:
         self._doorbell_in.bind(endpoint)
         self._doorbell = self._context.socket(zmq.PUSH)
         self._doorbell.connect(endpoint)
+        self._links = {}  # shard -> _SealedLink, after a sealed WELCOME
+        self._poll_sockets = {}  # socket -> shard, read by the thread
         self._sockets = []
         for shard, address in enumerate(self._addresses):
             sock = self._context.socket(zmq.DEALER)
@@ -132,7 +142,7 @@ class IOThread:
     def send_now(self, shard, message, future=None):
         """Sends at once, ahead of held traffic (I/O thread only)."""
         self._register(shard, message, future)
-        self._write(shard, protocol.encode(message))
+        self._write(shard, protocol.encode(message), message.type)
 
     def _register(self, shard, message, future):
         if future is not None:
@@ -176,7 +186,7 @@ class IOThread:
                 message.seq = next_seq()
                 if future is not None:
                     self._futures[(shard, message.seq)] = future
-            self._write(shard, protocol.encode(message))
+            self._write(shard, protocol.encode(message), message.type)
 
     def _ring(self):
         with self._doorbell_lock:
@@ -204,11 +214,11 @@ class IOThread:
             future.cancel(GeePSError(CLOSED))
 
     def _run(self):
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._doorbell_in, zmq.POLLIN)
-        for sock in self._sockets:
+        for shard, sock in enumerate(self._sockets):
             poller.register(sock, zmq.POLLIN)
-        index = {sock: i for i, sock in enumerate(self._sockets)}
+            self._poll_sockets[sock] = shard
         next_beat = time.monotonic()
         try:
             while not self._stop:
@@ -222,15 +232,17 @@ class IOThread:
                 if self._on_turn is not None:
                     self._on_turn()
                 self._flush_outbox()
-                for sock, shard in index.items():
-                    if sock in events:
+                for sock, shard in list(self._poll_sockets.items()):
+                    # (a link replaced meanwhile is closed: skipped)
+                    if sock in events and sock in self._poll_sockets:
                         self._drain(sock, shard)
                 if self.heartbeat_interval and \
                         time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_interval
                     for shard in range(len(self._sockets)):
                         self._write(shard, protocol.encode(Message(
-                            MsgType.HEARTBEAT, worker=self._worker_id)))
+                            MsgType.HEARTBEAT, worker=self._worker_id)),
+                            MsgType.HEARTBEAT)
         except Exception:  # keep the reason; the caller times out on it
             log.exception("keras_geeps I/O thread failed")
             self.errors.append(GeePSServerError("the I/O thread failed; see "
@@ -238,12 +250,20 @@ class IOThread:
         finally:
             for sock in self._sockets:
                 sock.close(linger=0)
+            for link in self._links.values():
+                link.socket.close(linger=0)
             self._doorbell_in.close(linger=0)
 
-    def _write(self, shard, frames):
+    def _write(self, shard, frames, kind):
+        """Sends a message's frames: sealed on the shard's data link once
+        it has one (HELLO always goes over the main, CURVE, socket)."""
         self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes
                               for f in frames)
-        self._sockets[shard].send_multipart(frames, copy=False)
+        link = self._links.get(shard)
+        if link is not None and kind != MsgType.HELLO:
+            link.socket.send_multipart(link.channel.seal(frames), copy=False)
+        else:
+            self._sockets[shard].send_multipart(frames, copy=False)
 
     def _flush_outbox(self):
         while self._outbox:
@@ -251,9 +271,55 @@ class IOThread:
             if shard in self.held:
                 self._backlog[shard].append((frames, message))
             else:
-                self._write(shard, frames)
+                self._write(shard, frames, message.type)
+
+    def _open_link(self, shard, sealed):
+        """Starts (or replaces) the sealed data link a WELCOME gave."""
+        port, session, c2s, s2c = sealed
+        session = bytes.fromhex(session)
+        old = self._links.pop(shard, None)
+        if old is not None:
+            self._poll_sockets.pop(old.socket, None)
+            self._poller.unregister(old.socket)
+            old.socket.close(linger=0)
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.ROUTING_ID, session)
+        sock.connect(f"{self._addresses[shard].rsplit(':', 1)[0]}:{port}")
+        self._links[shard] = _SealedLink(sock, seal.Channel(
+            session, bytes.fromhex(c2s), bytes.fromhex(s2c)))
+        self._poll_sockets[sock] = shard
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _open(self, shard, frames, link):
+        """The message in `frames` from `shard`. From its main socket (CURVE
+        when keys are set) anything goes; from its data `link` only sealed
+        messages of the session and, in the clear, the hello_required
+        error of a restarted shard (it can cause a recovery, nothing
+        else). None for what does not qualify."""
+        if link is None:
+            return protocol.decode(frames)
+        if frames and bytes(frames[0].buffer) == seal.MAGIC:
+            try:
+                return protocol.decode(link.channel.open(frames))
+            except seal.SealError as exc:
+                log.error("dropped a sealed message from shard %d: %s",
+                          shard, exc)
+                return None
+        message = protocol.decode(frames)
+        if message.type == MsgType.ERROR and message.meta.get("code") == \
+                protocol.ERROR_HELLO_REQUIRED:
+            return message
+        log.error("dropped an unsealed %s on shard %d's data link",
+                  message.type.name, shard)
+        return None
 
     def _drain(self, sock, shard):
+        link = self._links.get(shard)
+        if link is not None and link.socket is not sock:
+            link = None  # the main socket
         for _ in range(512):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -261,16 +327,19 @@ class IOThread:
                 return
             self.bytes_in += sum(len(f) for f in frames)
             try:
-                message = protocol.decode(frames)
+                message = self._open(shard, frames, link)
             except ProtocolError as exc:
                 log.error("shard %d sent a malformed message: %s", shard, exc)
                 self.errors.append(GeePSServerError(
                     f"shard {shard} sent a malformed message: {exc}"))
                 continue
-            self._deliver(shard, message)
+            if message is not None:
+                self._deliver(shard, message)
 
     def _deliver(self, shard, message):
         kind = message.type
+        if kind == MsgType.WELCOME and "sealed" in message.meta:
+            self._open_link(shard, message.meta["sealed"])
         if kind in (MsgType.PUSH, MsgType.ROWS):
             self._on_rows(shard, message)
             return

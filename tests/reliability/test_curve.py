@@ -53,3 +53,135 @@ def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
         GeePSClient(spec, timeout=1.5, curve=curve)
     stats = curve_cluster.shards[0]
     assert stats.process.poll() is None  # the shard keeps running
+
+
+def _keyed_cluster(keys, tmp_path=None, workers=1, checkpoint=False):
+    args = ["--curve-secret-key", str(keys / "shard.key_secret"),
+            "--curve-allowed-clients", str(keys / "allowed")]
+    if checkpoint:
+        args += ["--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", "2"]
+    return LocalCluster(1, workers, processes=True, output=None,
+                        shard_args=args)
+
+
+def test_everything_after_hello_travels_sealed(keys, curve_cluster):
+    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    with curve_cluster.client(0, timeout=10, curve=curve,
+                              shared_memory=False) as client:
+        table = client.create_table("t", 1024, 256)
+        for _ in range(3):
+            client.update(table, np.ones((1024, 256), np.float32))
+            client.clock()
+        np.testing.assert_array_equal(client.read(table, clock=3), 3.0)
+        stats = client.shard_stats()[0]
+    # Only the HELLO went over CURVE; the 1 MiB pushes came sealed.
+    assert stats["sealed_in"] >= stats["messages_in"] - 1 >= 6
+    assert stats["sealed_out"] >= 4 and stats["errors"] == 0
+
+
+def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
+    import zmq  # noqa: PLC0415
+
+    from keras_geeps import protocol, seal  # noqa: PLC0415
+
+    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    with curve_cluster.client(0, timeout=10, curve=curve) as client:
+        table = client.create_table("t", 4, 4)
+        session = client._io._links[0].channel.session
+        context = zmq.Context()
+        rng = np.random.default_rng(0)
+        guessed = seal.Channel(session, b"k" * 32, b"k" * 32)
+        try:
+            # Under the worker's routing id (in the clear on the wire): the
+            # connection is refused, the worker's replies stay its own.
+            hijacker = context.socket(zmq.DEALER)
+            hijacker.setsockopt(zmq.ROUTING_ID, session)
+            stranger = context.socket(zmq.DEALER)  # any other id
+            for sock in (hijacker, stranger):
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(curve_cluster.shards[0].data_address)
+            for i in range(300):
+                frames = [bytes(rng.integers(0, 256, rng.integers(0, 64),
+                                             np.uint8))
+                          for _ in range(rng.integers(1, 5))]
+                if i % 3 == 0:  # sealed with a guessed key
+                    frames = guessed.seal(frames)
+                hijacker.send_multipart(frames)
+                stranger.send_multipart(frames)
+            assert not hijacker.poll(300)
+            replies = []
+            while stranger.poll(300):
+                replies.append(protocol.decode(stranger.recv_multipart()))
+            assert len(replies) == 300 and all(  # no session: say HELLO
+                r.meta["code"] == protocol.ERROR_HELLO_REQUIRED
+                for r in replies)
+        finally:
+            context.destroy(linger=0)
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table, clock=1), 1.0)
+        assert client.shard_stats()[0]["errors"] >= 300
+
+
+def test_a_restarted_curve_shard_recovers_with_nothing_lost(keys, tmp_path):
+    cluster = _keyed_cluster(keys, tmp_path, checkpoint=True)
+    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    try:
+        with cluster.client(0, timeout=20, curve=curve,
+                            heartbeat_interval=0.2) as client:
+            table = client.create_table("t", 64, 64)
+            for clk in range(10):
+                client.read(table)
+                client.update(table, np.ones((64, 64), np.float32))
+                client.clock()
+                if clk == 6:
+                    cluster.shards[0].kill()
+                    cluster.shards[0] = cluster.shards[0].restart(
+                        ["--restore"])
+            np.testing.assert_array_equal(client.read(table, clock=10),
+                                          10.0)
+            stats = client.shard_stats()[0]
+            assert stats["restored_clock"] >= 0 and stats["sealed_in"] > 0
+    finally:
+        cluster.stop()
+
+
+def test_a_session_speaks_for_its_own_worker_only(keys, tmp_path):
+    from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
+
+    (keys / "allowed" / "stranger.key").write_bytes(
+        (keys / "stranger.key").read_bytes())
+    cluster = _keyed_cluster(keys, workers=2)
+    try:
+        mine = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+        with cluster.client(0, timeout=10, curve=mine) as client:
+            errors = []
+            future = __import__(
+                "keras_geeps.client.connection",
+                fromlist=["Future"]).Future(lambda m, e: errors.append(e))
+            message = Message(MsgType.STATS, worker=1, seq=10 ** 6)
+            client._io.send(0, message, future)
+            assert future.event.wait(10)
+            assert "session sent a request as worker 1" in str(errors[0])
+    finally:
+        cluster.stop()
+
+
+def test_admin_commands_reach_curve_shards_with_keys(keys, curve_cluster):
+    address = curve_cluster.addresses[0]
+    cli = [sys.executable, "-m", "keras_geeps"]
+    keyed = ["--curve-secret-key", str(keys / "worker.key_secret"),
+             "--curve-server-key", str(keys / "shard.key")]
+    result = subprocess.run(cli + ["stats", "--shards", address] + keyed,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert '"shard_id": 0' in result.stdout
+    result = subprocess.run(cli + ["stats", "--shards", address,
+                                   "--timeout", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "did not answer" in result.stderr
+    result = subprocess.run(cli + ["stop", "--shards", address] + keyed,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert curve_cluster.shards[0].process.wait(10) == 0

@@ -1,0 +1,75 @@
+"""The sealed data channel's framing against tampering, and its speed."""
+
+import numpy as np
+import pytest
+
+from keras_geeps import seal
+
+
+@pytest.fixture
+def pair():
+    keys = seal.new_session()
+    worker = seal.Channel(keys["session"], keys["c2s"], keys["s2c"])
+    shard = seal.Channel(keys["session"], keys["s2c"], keys["c2s"])
+    return worker, shard
+
+
+def _frames():
+    return [b"a header", np.arange(1000, dtype=np.float32),
+            np.zeros((0,), np.uint8)]
+
+
+def test_round_trip_in_both_directions(pair):
+    worker, shard = pair
+    for sender, receiver in ((worker, shard), (shard, worker)) * 2:
+        opened = receiver.open(sender.seal(_frames()))
+        assert bytes(opened[0]) == b"a header"
+        np.testing.assert_array_equal(opened[1].view(np.float32),
+                                      np.arange(1000, dtype=np.float32))
+        assert opened[2].nbytes == 0
+        assert opened[1].ctypes.data % 64 == 0  # DLPack-ready
+
+
+def _flip(frame, at):
+    mutated = np.frombuffer(bytes(frame), np.uint8).copy()
+    mutated[at] ^= 1
+    return mutated
+
+
+@pytest.mark.parametrize("tamper,why", [
+    (lambda f: f[:3] + [_flip(f[3], 0)] + f[4:], "authenticate"),
+    (lambda f: f[:3] + [_flip(f[4], -1)] + f[4:], "authenticate"),  # tag
+    (lambda f: f[:3] + [f[4], f[3]] + f[5:], "authenticate"),  # reordered
+    (lambda f: f[:-1], "authenticate"),  # a frame dropped
+    (lambda f: f + [f[-1]], "authenticate"),  # a frame added
+    (lambda f: f[:2] + [(7).to_bytes(8, "little")] + f[3:], "authenticate"),
+    (lambda f: [f[0], b"Sother!!"] + f[2:], "another session"),
+    (lambda f: [b"XX1"] + f[1:], "not a sealed"),
+    (lambda f: f[:3] + [b"short"] + f[4:], "shorter than a tag"),
+])
+def test_tampered_messages_do_not_open(pair, tamper, why):
+    worker, shard = pair
+    with pytest.raises(seal.SealError, match=why):
+        shard.open(tamper(worker.seal(_frames())))
+    # The channel goes on: the next genuine message opens.
+    assert bytes(shard.open(worker.seal(_frames()))[0]) == b"a header"
+
+
+def test_replayed_and_reordered_messages_do_not_open(pair):
+    worker, shard = pair
+    first, second = worker.seal(_frames()), worker.seal(_frames())
+    shard.open(second)
+    for again in (first, second):
+        with pytest.raises(seal.SealError, match="not above"):
+            shard.open(again)
+
+
+def test_the_other_directions_key_does_not_open(pair):
+    worker, _ = pair
+    with pytest.raises(seal.SealError, match="authenticate"):
+        worker.open(worker.seal(_frames()))  # c2s sealed, s2c expected
+
+
+def test_module_example():
+    import doctest  # noqa: PLC0415
+    assert doctest.testmod(seal).failed == 0
