@@ -1435,6 +1435,9 @@ def run_from_args(args):
                              on_worker_failure=args.on_worker_failure,
                              shared_memory=False if args.no_shared_memory
                              else None)
+    if args.restore and not args.checkpoint_dir:
+        raise SystemExit("--restore needs --checkpoint-dir (the folder the "
+                         "shard wrote its checkpoints to)")
     curve = None
     if args.curve_secret_key or args.curve_allowed_clients:
         if not (args.curve_secret_key and args.curve_allowed_clients):
