@@ -7,7 +7,8 @@ Keras face (`GeePSStrategy`) and the custom ops load on first use.
 __version__ = "0.1.0"
 
 from keras_geeps.cluster import ClusterSpec
-from keras_geeps.errors import GeePSError, GeePSServerError, GeePSTimeoutError
+from keras_geeps.errors import (GeePSError, GeePSServerError,
+                                GeePSTimeoutError, GeePSWorkerFailedError)
 
 _LAZY = {
     "GeePSClient": "keras_geeps.client",
@@ -28,4 +29,4 @@ def __getattr__(name):
 
 
 __all__ = ["ClusterSpec", "GeePSError", "GeePSServerError",
-           "GeePSTimeoutError", *_LAZY]
+           "GeePSTimeoutError", "GeePSWorkerFailedError", *_LAZY]

@@ -17,6 +17,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 
 def require_curve():
+    """Raises RuntimeError unless this libzmq supports CURVE."""
     if not zmq.has("curve"):
         raise RuntimeError("this libzmq was built without CURVE support; "
                            "install pyzmq's wheels (they bundle libsodium)")
@@ -68,7 +69,14 @@ def keygen(directory, name, overwrite=False):
 
 
 def load_keypair(path):
-    """Loads (public, secret) from a `.key_secret` (or `.key`) file."""
+    """Loads (public, secret) from a `.key_secret` (or `.key`) file.
+
+    Args:
+        path: the key file; a `.key` file gives a secret of None.
+
+    Returns:
+        (public, secret) as bytes (Z85-encoded).
+    """
     public, secret = zmq.auth.load_certificate(path)
     return public, secret
 

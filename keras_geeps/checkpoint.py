@@ -21,7 +21,7 @@ Writes go to a temporary file in the same folder, are fsynced, then
 renamed over the old file: a crash at any point leaves either the old or
 the new checkpoint, never a torn one. Workers keep every update of the
 clocks at or after a table's checkpoint clock and replay them to a shard
-restored from it (`keras-geeps shard --restore DIR`).
+restored from it (`keras-geeps shard --checkpoint-dir DIR --restore`).
 """
 
 import json
@@ -89,6 +89,11 @@ def write(directory, shard_id, num_shards, num_workers, snapshots):
 
 def load(directory, shard_id, num_shards, num_workers):
     """Reads a shard's checkpoint.
+
+    Args:
+        directory: the checkpoint folder.
+        shard_id, num_shards, num_workers: the shard's place in the job;
+            the checkpoint must be for the same ones.
 
     Returns:
         {table_id: (spec dict, clock, rows array)}.

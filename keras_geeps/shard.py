@@ -47,7 +47,8 @@ class ShardSettings:
         max_message_bytes: largest message accepted. Defaults to 1 GiB.
         max_tables: most tables the shard will hold. Defaults to 4096.
         max_table_bytes: most bytes of rows (all tables) the shard will
-            hold, pending update buffers included. Defaults to 16 GiB.
+            hold: rows, pending clocks, lent and snapshot buffers, and
+            pooled buffers still being sent. Defaults to 16 GiB.
         max_pending_clocks: how far ahead of the global clock a worker's
             update may be (bounds SSP buffers). Defaults to 64.
         max_parked_reads: most reads waiting for freshness. Defaults to 4096.
@@ -72,7 +73,7 @@ class ShardSettings:
             through shared memory; past it the worker gets copies by TCP.
             Defaults to 4.
         lend_buffers: when a table has one writer (a 1-worker job) that
-            shares memory with the shard and no checkpoints are kept, lend
+            shares memory with the shard and `checkpoint_every` is 0, lend
             it the buffer of the table's next rows with every push: the
             worker writes `rows + update` there itself and the shard adopts
             it, with no add of its own. Defaults to True.

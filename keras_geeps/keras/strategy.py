@@ -24,7 +24,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
 
     With `update_mode="average"` (the default) each worker's update is
     divided by the number of workers: under plain SGD, N workers with
-    per-worker batch B then follow one worker with batch N * B exactly.
+    per-worker batch B then follow one worker with batch N * B, to float
+    rounding.
     `"sum"` adds the updates unscaled.
 
     Create the model *and* compile it (which creates the optimizer) inside
@@ -58,7 +59,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         curve: a `keras_geeps.auth.ClientKeys` when the shards require
             CURVE. Defaults to None.
         device_memory_budget: bytes of device memory the parameters,
-            their optimizer state, the access pool and the saved
+            their optimizer state, the non-trainable variables (frozen
+            layers, BatchNorm statistics), the access pool and the saved
             activations may use; training then goes through
             `layerwise_trainer()`, which keeps what does not fit in host
             memory and stages it in as needed (README, "Memory

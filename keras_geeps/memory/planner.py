@@ -401,8 +401,9 @@ def plan(sequence, budget=None, offload_activations=None):
 
     Args:
         sequence: the step's `AccessSequence` (see `record_model`).
-        budget: device bytes the parameter cache, the access pool and the
-            saved activations may use. Defaults to None: no limit, every
+        budget: device bytes the parameter cache, the non-trainable
+            variables (frozen layers, BatchNorm statistics; never staged),
+            the access pool and the saved activations may use. Defaults to None: no limit, every
             table resident.
         offload_activations: None (default) keeps every activation on the
             device; "auto" lets the planner offload them, first layers

@@ -237,7 +237,8 @@ def chain_layers(model):
 
     The layer-wise trainer runs them one after another, each on the previous
     one's output, which is what a `keras.Sequential` does; for any other
-    model the trainer checks that on a probe batch (`verify_chain`).
+    model the trainer checks that on a probe batch
+    (`LayerwiseTrainer._verify_chain`).
 
     Raises:
         ValueError: the model is not built or has no layers.

@@ -331,7 +331,9 @@ class LayerwiseTrainer:
         loss: a callable `loss(y_true, y_pred)` returning a scalar.
         batch_size: the training batch size (for the activation sizes).
         device_memory_budget: bytes the trainer may hold on the device
-            (tables, pool, saved activations). Defaults to None: no limit.
+            (tables, non-trainable variables such as frozen layers and
+            BatchNorm statistics, pool, saved activations). Defaults to
+            None: no limit.
         offload_activations: None, "auto" or a list of layer names (see
             `plan`). Defaults to None.
         sync: a `ParameterSync` to pull from and push to the shards.
