@@ -31,7 +31,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
     Create the model *and* compile it (which creates the optimizer) inside
     `scope()`, pass `jit_compile=False` (XLA cannot run the sync), and give
     `fit` the strategy's `callbacks()` so that every epoch reports its
-    parameter-server figures and every worker ends with the same weights.
+    parameter-server figures and every worker ends with the same trainable
+    weights (non-trainable state, e.g. BatchNorm statistics, and optimizer
+    state stay each worker's own).
 
     Example:
 
@@ -188,7 +190,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
 
         Waits until the tables reflect every worker's last clock (ignoring
         the slack), then assigns them: after the same number of steps,
-        every worker then holds identical weights. Under a memory budget
+        every worker then holds identical trainable weights (non-trainable
+        ones, e.g. BatchNorm statistics, stay each worker's own). Under a memory budget
         the staged layers first get their variables back
         (`LayerwiseTrainer.materialize()`).
         """
