@@ -423,7 +423,7 @@ class ParameterSync:
         if tuple(table.ages) == layer.pulled_ages and \
                 layer.snapshot is not None:
             if layer.snapshot_stale:  # own updates stay; re-base the delta
-                layer.snapshot = ops.pack(current, layer.layout)
+                layer.snapshot = self._own_view(layer, current, values)
                 layer.snapshot_stale = False
             self.pull_seconds += time.perf_counter() - started
             return None
@@ -456,6 +456,19 @@ class ParameterSync:
         for index in range(len(self.tables)):
             self.pull(index)
         return True
+
+    def _own_view(self, layer, current, values):
+        """The variables' values once their own last update counts as the
+        shards apply it (no fresh rows came in; SSP). Under "average" that
+        is `snapshot + update / num_workers`, written back into the
+        variables: a worker that steps on must not see its own update N
+        times as large as everyone else will. Returns the new snapshot."""
+        packed = ops.pack(current, layer.layout)
+        if self.scale == 1.0 or values is not None:
+            return packed
+        own = layer.snapshot + self.scale * (packed - layer.snapshot)
+        ops.unpack(own, layer.variables, layer.layout)
+        return own
 
     def _push_op(self, indices, signs, count_step, *tensors):
         position = 0

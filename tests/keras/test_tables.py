@@ -223,3 +223,36 @@ def test_push_before_any_pull_is_a_clear_error(thread_cluster):
             rows.reshape(-1), sync.tables[0].snapshot.numpy())
     finally:
         strategy.close()
+
+
+def test_own_update_under_ssp_counts_as_the_shards_apply_it(thread_cluster):
+    """Average mode, 2 workers, slack 2: with no fresh rows a worker's
+    variables hold snapshot + update / 2 (what the shards will hold from
+    it), not its whole update; the fresh rows later agree."""
+    from keras_geeps.keras.sync import ParameterSync  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 2)
+    mine = cluster.client(0, timeout=10, slack=2)
+    other = cluster.client(1, timeout=10, slack=2)
+    try:
+        with tf.device("/cpu:0"):
+            kernel = tf.Variable(tf.zeros((2, 2)), name="lay/kernel")
+        sync = ParameterSync(mine, "average", capture_updates=False)
+        sync.track_variable(kernel, True)
+        sync.build()
+        table = sync.tables[0].table
+        theirs = other.create_table(table.name, table.rows, table.width)
+        sync.pull(0)
+        kernel.assign_add(tf.ones((2, 2)))
+        sync.push(0)
+        sync.pull(0)  # within the slack: no fresh rows yet
+        np.testing.assert_array_equal(kernel.numpy(), 0.5)
+        other.read(theirs)
+        other.update(theirs, np.zeros((2, 2), np.float32))
+        other.clock()
+        mine.wait_fresh(table, clock=3)
+        sync.pull(0)  # the shards' rows: the same view
+        np.testing.assert_array_equal(kernel.numpy(), 0.5)
+    finally:
+        mine.close()
+        other.close()
