@@ -81,6 +81,10 @@ def load_keypair(path):
     return public, secret
 
 
+# The ZAP domain of shards' sealed data sockets (`keras_geeps.seal`).
+DATA_ZAP_DOMAIN = "keras-geeps-data"
+
+
 class ShardAuth:
     """Makes a shard's ROUTER socket a CURVE server for allowed clients.
 
@@ -109,6 +113,21 @@ class ShardAuth:
         socket.curve_secretkey = self.secret
         socket.curve_publickey = self.public
         socket.curve_server = True
+
+    def apply_session_check(self, socket, tokens):
+        """Configures `socket` (before bind) to take only connections that
+        name a live session and its token (ZAP, PLAIN mechanism): the
+        sealed data socket, so that nobody without a session gets anything
+        buffered there.
+
+        Args:
+            socket: the data ROUTER socket.
+            tokens: a dict {session id (hex): token (hex)} the caller keeps
+                current; the ZAP thread reads it at each connection.
+        """
+        self.authenticator.passwords[DATA_ZAP_DOMAIN] = tokens
+        socket.zap_domain = DATA_ZAP_DOMAIN.encode()
+        socket.plain_server = True
 
     def stop(self):
         self.authenticator.stop()

@@ -101,7 +101,8 @@ _META_SCHEMA = {
                       "max_message_bytes": int, "max_pending_clocks": int,
                       "checkpoint_every": int, "shm": list, "shm_ok": bool,
                       "sealed": list},
-    # sealed: [data port, session, c2s key, s2c key] (hex; keras_geeps.seal)
+    # sealed: [data port, session, c2s key, s2c key, connect token] (hex;
+    # keras_geeps.seal)
     # shm: the worker maps this shard's buffers (rows may come as refs).
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
                      "row_start": int, "row_end": int, "chunk_row": int,

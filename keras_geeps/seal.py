@@ -121,7 +121,10 @@ class Channel:
         return counter.to_bytes(8, "little") + index.to_bytes(4, "little")
 
     def seal(self, frames):
-        """The sealed frames of one message (`frames`: bytes or buffers)."""
+        """The sealed frames of one message (`frames`: bytes or buffers,
+        at least one)."""
+        if not frames:
+            raise ValueError("a sealed message needs at least one frame")
         self.sent += 1
         counter = self.sent
         aad = self._aad(counter, len(frames))
@@ -147,7 +150,9 @@ class Channel:
             SealError: it is not a sealed message of this session, a tag
                 fails, or its counter is not above the last one opened.
         """
-        if len(frames) < 3 or bytes(_frame_bytes(frames[0])) != MAGIC:
+        if len(frames) < 4 or bytes(_frame_bytes(frames[0])) != MAGIC:
+            # (a message has a header frame: with no frame nothing would
+            # authenticate its counter)
             raise SealError("not a sealed message")
         if bytes(_frame_bytes(frames[1])) != self.session:
             raise SealError("a sealed message of another session")

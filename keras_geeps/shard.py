@@ -26,6 +26,7 @@ or as a thread (`ShardServer(...).start()`, for tests and notebooks).
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -399,6 +400,8 @@ class ShardServer:
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0}
         self._sessions = {}       # session id -> _Session (sealed data)
+        self._curve_identities = {}  # worker -> its CURVE route (sealed)
+        self._session_tokens = {}  # session hex -> token hex (data ZAP)
         self._context = zmq.Context(io_threads=protocol.IO_THREADS)
         self._auth = self._socket = self._arena = self._data = None
         self.data_address = None
@@ -488,6 +491,9 @@ class ShardServer:
                               "the `cryptography` package for its sealed "
                               "data channel (pip install cryptography)")
         sock = self._context.socket(zmq.ROUTER)
+        # Connections must name a live session and its token (ZAP), so a
+        # stranger gets nothing buffered here.
+        self._auth.apply_session_check(sock, self._session_tokens)
         sock.setsockopt(zmq.LINGER, 0)
         # No ROUTER_HANDOVER: a second connection under a session's
         # routing id (seen in the clear on the wire) must not take over the
@@ -648,6 +654,12 @@ class ShardServer:
         if kind == MsgType.HELLO:
             self._hello(identity, message)
             return
+        if kind == MsgType.HEARTBEAT and \
+                self._curve_identities.get(worker) == identity:
+            # A sealed session's heartbeats come over CURVE: a restarted
+            # shard (on another data port) answers them hello_required.
+            self._last_seen[worker] = time.monotonic()
+            return
         if self._identities.get(worker) != identity:
             raise RequestError(f"worker {worker} must send HELLO first "
                                f"(this shard may have restarted)",
@@ -710,6 +722,7 @@ class ShardServer:
             "checkpoint_every": self.settings.checkpoint_every}
         if self._data is not None:
             welcome["sealed"] = self._new_session(worker)
+            self._curve_identities[worker] = identity
             self._seqs[worker].mark(message.seq)  # later ones come sealed
         if self._arena is not None and "shm" in meta:
             peer = shm.PeerBuffers.connect(meta["shm"])
@@ -727,13 +740,16 @@ class ShardServer:
         for old in [k for k, v in self._sessions.items()
                     if v.worker == worker]:
             del self._sessions[old]
+            self._session_tokens.pop(old.hex(), None)
         keys = seal.new_session()
         self._sessions[keys["session"]] = _Session(
             worker, seal.Channel(keys["session"], keys["s2c"], keys["c2s"]))
+        token = os.urandom(16).hex()  # lets it connect (not a key)
+        self._session_tokens[keys["session"].hex()] = token
         self._identities[worker] = ("sealed", keys["session"])
         port = int(self.data_address.rsplit(":", 1)[1])
         return [port, keys["session"].hex(), keys["c2s"].hex(),
-                keys["s2c"].hex()]
+                keys["s2c"].hex(), token]
 
     # ------------------------------------------------------ shared memory
     def _new_table(self, table_id, spec):

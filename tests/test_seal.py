@@ -55,6 +55,20 @@ def test_tampered_messages_do_not_open(pair, tamper, why):
     assert bytes(shard.open(worker.seal(_frames()))[0]) == b"a header"
 
 
+def test_a_message_without_frames_cannot_move_the_counter(pair):
+    worker, shard = pair
+    forged = [seal.MAGIC, worker.session, (2 ** 64 - 1).to_bytes(8, "little")]
+    with pytest.raises(seal.SealError, match="not a sealed"):
+        shard.open(forged)
+    cut = worker.seal(_frames())[:3]  # a genuine one cut to its counter
+    with pytest.raises(seal.SealError, match="not a sealed"):
+        shard.open(cut)
+    assert shard.received == 0
+    assert bytes(shard.open(worker.seal(_frames()))[0]) == b"a header"
+    with pytest.raises(ValueError):
+        worker.seal([])
+
+
 def test_replayed_and_reordered_messages_do_not_open(pair):
     worker, shard = pair
     first, second = worker.seal(_frames()), worker.seal(_frames())

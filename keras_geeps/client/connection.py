@@ -240,9 +240,7 @@ class IOThread:
                         time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_interval
                     for shard in range(len(self._sockets)):
-                        self._write(shard, protocol.encode(Message(
-                            MsgType.HEARTBEAT, worker=self._worker_id)),
-                            MsgType.HEARTBEAT)
+                        self._heartbeat(shard)
         except Exception:  # keep the reason; the caller times out on it
             log.exception("keras_geeps I/O thread failed")
             self.errors.append(GeePSServerError("the I/O thread failed; see "
@@ -253,6 +251,15 @@ class IOThread:
             for link in self._links.values():
                 link.socket.close(linger=0)
             self._doorbell_in.close(linger=0)
+
+    def _heartbeat(self, shard):
+        """A heartbeat over the main socket, also with a sealed link: a
+        shard restarted on another data port answers it there (CURVE
+        authenticated) with hello_required, and the worker recovers."""
+        frames = protocol.encode(Message(MsgType.HEARTBEAT,
+                                         worker=self._worker_id))
+        self.bytes_out += sum(len(f) for f in frames)
+        self._sockets[shard].send_multipart(frames)
 
     def _write(self, shard, frames, kind):
         """Sends a message's frames: sealed on the shard's data link once
@@ -275,7 +282,8 @@ class IOThread:
 
     def _open_link(self, shard, sealed):
         """Starts (or replaces) the sealed data link a WELCOME gave."""
-        port, session, c2s, s2c = sealed
+        port, session, c2s, s2c, token = sealed
+        plain_username = session
         session = bytes.fromhex(session)
         old = self._links.pop(shard, None)
         if old is not None:
@@ -287,6 +295,8 @@ class IOThread:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         sock.setsockopt(zmq.ROUTING_ID, session)
+        sock.plain_username = plain_username.encode()  # the shard's ZAP
+        sock.plain_password = token.encode()  # check lets it connect
         sock.connect(f"{self._addresses[shard].rsplit(':', 1)[0]}:{port}")
         self._links[shard] = _SealedLink(sock, seal.Channel(
             session, bytes.fromhex(c2s), bytes.fromhex(s2c)))

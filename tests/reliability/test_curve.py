@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -68,14 +69,16 @@ def _keyed_cluster(keys, tmp_path=None, workers=1, checkpoint=False):
 def test_everything_after_hello_travels_sealed(keys, curve_cluster):
     curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
     with curve_cluster.client(0, timeout=10, curve=curve,
-                              shared_memory=False) as client:
+                              shared_memory=False,
+                              heartbeat_interval=0) as client:
         table = client.create_table("t", 1024, 256)
         for _ in range(3):
             client.update(table, np.ones((1024, 256), np.float32))
             client.clock()
         np.testing.assert_array_equal(client.read(table, clock=3), 3.0)
         stats = client.shard_stats()[0]
-    # Only the HELLO went over CURVE; the 1 MiB pushes came sealed.
+    # Only the HELLO went over CURVE (heartbeats would too); the 1 MiB
+    # pushes came sealed.
     assert stats["sealed_in"] >= stats["messages_in"] - 1 >= 6
     assert stats["sealed_out"] >= 4 and stats["errors"] == 0
 
@@ -88,32 +91,46 @@ def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
     curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
     with curve_cluster.client(0, timeout=10, curve=curve) as client:
         table = client.create_table("t", 4, 4)
-        session = client._io._links[0].channel.session
+        link = client._io._links[0]
+        session = link.channel.session
+        token = link.socket.plain_password  # what a sniffer could see
+        before = client.shard_stats()[0]["messages_in"]
         context = zmq.Context()
         rng = np.random.default_rng(0)
         guessed = seal.Channel(session, b"k" * 32, b"k" * 32)
+
+        def peer(routing_id=None, credentials=True):
+            sock = context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            if routing_id is not None:
+                sock.setsockopt(zmq.ROUTING_ID, routing_id)
+            if credentials:
+                sock.plain_username, sock.plain_password = \
+                    session.hex().encode(), token
+            sock.connect(curve_cluster.shards[0].data_address)
+            return sock
+
         try:
-            # Under the worker's routing id (in the clear on the wire): the
-            # connection is refused, the worker's replies stay its own.
-            hijacker = context.socket(zmq.DEALER)
-            hijacker.setsockopt(zmq.ROUTING_ID, session)
-            stranger = context.socket(zmq.DEALER)  # any other id
-            for sock in (hijacker, stranger):
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(curve_cluster.shards[0].data_address)
+            stranger = peer(credentials=False)  # ZAP: never connected
+            hijacker = peer(routing_id=session)  # its id is taken: refused
+            sniffer = peer()  # token but no keys, another id
+            time.sleep(0.5)
             for i in range(300):
                 frames = [bytes(rng.integers(0, 256, rng.integers(0, 64),
                                              np.uint8))
                           for _ in range(rng.integers(1, 5))]
                 if i % 3 == 0:  # sealed with a guessed key
                     frames = guessed.seal(frames)
-                hijacker.send_multipart(frames)
-                stranger.send_multipart(frames)
-            assert not hijacker.poll(300)
+                for sock in (stranger, hijacker, sniffer):
+                    try:
+                        sock.send_multipart(frames, zmq.NOBLOCK)
+                    except zmq.Again:  # nothing queued any more
+                        pass
+            assert not stranger.poll(300) and not hijacker.poll(300)
             replies = []
-            while stranger.poll(300):
-                replies.append(protocol.decode(stranger.recv_multipart()))
-            assert len(replies) == 300 and all(  # no session: say HELLO
+            while sniffer.poll(300):
+                replies.append(protocol.decode(sniffer.recv_multipart()))
+            assert len(replies) == 300 and all(  # unknown route: HELLO
                 r.meta["code"] == protocol.ERROR_HELLO_REQUIRED
                 for r in replies)
         finally:
@@ -121,10 +138,17 @@ def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
         client.update(table, np.ones((4, 4), np.float32))
         client.clock()
         np.testing.assert_array_equal(client.read(table, clock=1), 1.0)
-        assert client.shard_stats()[0]["errors"] >= 300
+        stats = client.shard_stats()[0]
+        # Only the sniffer's 300 reached the shard (and were refused).
+        assert stats["errors"] >= 300
+        assert stats["messages_in"] - before <= 300 + 20
 
 
-def test_a_restarted_curve_shard_recovers_with_nothing_lost(keys, tmp_path):
+@pytest.mark.parametrize("same_data_port", [True, False])
+def test_a_restarted_curve_shard_recovers_with_nothing_lost(
+        keys, tmp_path, same_data_port):
+    from keras_geeps.launch import ShardProcess  # noqa: PLC0415
+
     cluster = _keyed_cluster(keys, tmp_path, checkpoint=True)
     curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
     try:
@@ -136,9 +160,16 @@ def test_a_restarted_curve_shard_recovers_with_nothing_lost(keys, tmp_path):
                 client.update(table, np.ones((64, 64), np.float32))
                 client.clock()
                 if clk == 6:
-                    cluster.shards[0].kill()
-                    cluster.shards[0] = cluster.shards[0].restart(
-                        ["--restore"])
+                    old = cluster.shards[0]
+                    old.kill()
+                    if same_data_port:  # as the launcher restarts one
+                        cluster.shards[0] = old.restart(["--restore"])
+                    else:  # by hand, without --data-bind: a new data
+                        cluster.shards[0] = ShardProcess(  # port; the
+                            0, 1, 1, [*old.args[3], "--restore"],  # CURVE
+                            output=None, bind=old.address)  # heartbeat
+                        assert cluster.shards[0].data_address != \
+                            old.data_address  # tells the worker
             np.testing.assert_array_equal(client.read(table, clock=10),
                                           10.0)
             stats = client.shard_stats()[0]
