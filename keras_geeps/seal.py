@@ -9,7 +9,9 @@ fresh random 256-bit key per direction and the port of the shard's data
 socket. Every later message of either side travels on that plain TCP
 socket, each frame sealed with AES-256-GCM (OpenSSL through the
 `cryptography` package, AES-NI), so the bulk rows cost one cipher pass per
-side at several GB/s.
+side at several GB/s. The data socket admits only connections that name a
+live session and its random token (ZAP, `auth.ShardAuth.apply_session_check`);
+heartbeats stay on CURVE.
 
 A sealed message is the frames
 
