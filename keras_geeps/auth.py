@@ -10,6 +10,7 @@ that names the likely cause.
 """
 
 import os
+import re
 
 import zmq
 import zmq.auth
@@ -81,6 +82,29 @@ def load_keypair(path):
     return public, secret
 
 
+_BOUND_KEY = re.compile(r"^worker(\d+)\.key$")
+
+
+def key_owners(allowed_clients_dir):
+    """{z85 public key: worker id} for the allowed keys named
+    `worker<N>.key`: such a key may say HELLO as worker N only. Keys
+    named otherwise may speak for any worker.
+
+    Args:
+        allowed_clients_dir: the shard's allowed clients folder.
+
+    Returns:
+        dict (str -> int).
+    """
+    owners = {}
+    for name in sorted(os.listdir(allowed_clients_dir)):
+        match = _BOUND_KEY.match(name)
+        if match:
+            public, _ = load_keypair(os.path.join(allowed_clients_dir, name))
+            owners[public.decode("ascii")] = int(match.group(1))
+    return owners
+
+
 # The ZAP domain of shards' sealed data sockets (`keras_geeps.seal`).
 DATA_ZAP_DOMAIN = "keras-geeps-data"
 
@@ -103,10 +127,20 @@ class ShardAuth:
             raise ValueError(f"allowed clients folder {allowed_clients_dir} "
                              f"does not exist")
         self.public, self.secret = public, secret
+        self.key_owners = key_owners(allowed_clients_dir)
         self.authenticator = ThreadAuthenticator(context)
         self.authenticator.start()
         self.authenticator.configure_curve(domain="*",
                                            location=allowed_clients_dir)
+
+    def owner_of(self, user_id):
+        """The worker id an allowed key is bound to, or None (any worker).
+
+        Args:
+            user_id: the ZAP User-Id of a CURVE connection (the z85 public
+                key, what `zmq.Frame.get("User-Id")` gives).
+        """
+        return self.key_owners.get(user_id)
 
     def apply(self, socket):
         """Configures `socket` (before bind) as a CURVE server."""

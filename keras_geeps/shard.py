@@ -307,6 +307,15 @@ class _BufferPool:
                 shared.close()
 
 
+def _user_id(frame):
+    """The ZAP User-Id a frame arrived with (a CURVE client's z85 public
+    key), or None."""
+    try:
+        return frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
+
+
 class _Session:
     """A worker's sealed data session (`keras_geeps.seal`)."""
 
@@ -402,6 +411,7 @@ class ShardServer:
         self._sessions = {}       # session id -> _Session (sealed data)
         self._curve_identities = {}  # worker -> its CURVE route (sealed)
         self._session_tokens = {}  # session hex -> token hex (data ZAP)
+        self._curve_user = None   # the CURVE key of the message in hand
         self._context = zmq.Context(io_threads=protocol.IO_THREADS)
         self._auth = self._socket = self._arena = self._data = None
         self.data_address = None
@@ -538,6 +548,8 @@ class ShardServer:
 
     def _dispatch(self, frames):
         """A message from the main socket (over CURVE when keys are set)."""
+        # The CURVE key it came with (ZAP User-Id), for HELLO's check.
+        self._curve_user = _user_id(frames[1]) if self._auth else None
         self._serve(frames[0].bytes, frames[1:])
 
     def _dispatch_sealed(self, frames):
@@ -698,6 +710,11 @@ class ShardServer:
                                    f"{key}={meta[key]}, this shard has "
                                    f"{mine}")
         worker = message.worker
+        owner = self._auth.owner_of(self._curve_user) if self._auth else None
+        if owner is not None and owner != worker:
+            raise RequestError(f"this CURVE key is bound to worker {owner} "
+                               f"(its allowed key file is worker{owner}.key)"
+                               f"; it cannot say HELLO as worker {worker}")
         incarnation = meta.get("incarnation", 0)
         previous = self._incarnations.get(worker)
         if previous != incarnation:

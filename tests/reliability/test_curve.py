@@ -62,7 +62,7 @@ def _keyed_cluster(keys, tmp_path=None, workers=1, checkpoint=False):
     if checkpoint:
         args += ["--checkpoint-dir", str(tmp_path / "ckpt"),
                  "--checkpoint-every", "2"]
-    return LocalCluster(1, workers, processes=True, output=None,
+    return LocalCluster(1, workers, processes=True, output=sys.stderr,
                         shard_args=args)
 
 
@@ -167,7 +167,7 @@ def test_a_restarted_curve_shard_recovers_with_nothing_lost(
                     else:  # by hand, without --data-bind: a new data
                         cluster.shards[0] = ShardProcess(  # port; the
                             0, 1, 1, [*old.args[3], "--restore"],  # CURVE
-                            output=None, bind=old.address)  # heartbeat
+                            output=sys.stderr, bind=old.address)  # heartbeat
                         assert cluster.shards[0].data_address != \
                             old.data_address  # tells the worker
             np.testing.assert_array_equal(client.read(table, clock=10),
@@ -216,3 +216,29 @@ def test_admin_commands_reach_curve_shards_with_keys(keys, curve_cluster):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert curve_cluster.shards[0].process.wait(10) == 0
+
+
+def test_a_key_named_for_a_worker_speaks_for_that_worker_only(keys):
+    from keras_geeps.errors import GeePSServerError  # noqa: PLC0415
+
+    for name in ("worker0", "worker1"):  # bound: allowed/worker<N>.key
+        subprocess.run([sys.executable, "-m", "keras_geeps", "keygen",
+                        str(keys), name], check=True, capture_output=True)
+        (keys / "allowed" / f"{name}.key").write_bytes(
+            (keys / f"{name}.key").read_bytes())
+    cluster = _keyed_cluster(keys, workers=2)
+    try:
+        spec = ClusterSpec(cluster.addresses, 2, 1)
+        zero = ClientKeys(keys / "worker0.key_secret", keys / "shard.key")
+        with pytest.raises(GeePSServerError,
+                           match="bound to worker 0.*as worker 1"):
+            GeePSClient(spec, timeout=10, curve=zero)
+        one = ClientKeys(keys / "worker1.key_secret", keys / "shard.key")
+        GeePSClient(spec, timeout=10, curve=one).close()  # welcomed
+        # An unbound allowed key (allowed/worker.key) may be any worker.
+        anyone = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+        for worker in (0, 1):
+            GeePSClient(ClusterSpec(cluster.addresses, 2, worker),
+                        timeout=10, curve=anyone).close()
+    finally:
+        cluster.stop()
