@@ -211,6 +211,11 @@ class PeerBuffers:
 
     def _map(self, fd, nbytes, writable=False):
         path = f"/proc/{self.pid}/fd/{fd}"
+        # Only a memfd is opened: opening what a peer names could have side
+        # effects (a device, a FIFO). The check after opening stays, as the
+        # descriptor can change between the two.
+        if not os.readlink(path).startswith("/memfd:"):
+            raise ValueError(f"{path} is not a memory file")
         # O_NONBLOCK: a peer naming a FIFO must not block us.
         handle = os.open(path, (os.O_RDWR if writable else os.O_RDONLY)
                          | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -66,6 +66,12 @@ def test_bad_references_raise_value_error(tmp_path):
     with pytest.raises(ValueError, match="not a memory file"):
         peer.view([buffer.id + 1, handle, 0, 10])
     os.close(handle)
+    # Nor is a regular file (refused by its name, before it is opened).
+    with open(tmp_path / "plain", "wb") as plain:
+        plain.write(bytes(64))
+        plain.flush()
+        with pytest.raises(ValueError, match="not a memory file"):
+            peer.view([buffer.id + 2, plain.fileno(), 0, 10])
     arena.close()
 
 
