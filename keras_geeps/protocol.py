@@ -320,7 +320,7 @@ def decode(frames, max_message_bytes=MAX_MESSAGE_BYTES):
         if total > max_message_bytes:
             raise ProtocolError(f"message of more than {total} bytes exceeds "
                                 f"the limit of {max_message_bytes}")
-        buffer = _frame_buffer(frame)
+        buffer = frame_bytes(frame)
         if buffer.nbytes != expected:
             raise ProtocolError(f"frame {index}: header says {dtype.name}"
                                 f"{list(shape)} = {expected} bytes, but "
@@ -389,10 +389,21 @@ def _frame_bytes(frame):
     return bytes(frame)
 
 
-def _frame_buffer(frame):
+def frame_bytes(frame):
+    """A flat byte view of a frame (bytes, zmq.Frame or array), no copy."""
     if hasattr(frame, "buffer"):  # zmq.Frame: zero-copy view
         return memoryview(frame.buffer).cast("B")
     return memoryview(frame).cast("B")
+
+
+def aligned_empty(size, dtype=np.uint8, alignment=64):
+    """A 1-D array of `size` elements whose data is `alignment`-byte
+    aligned: TensorFlow can alias it (DLPack) and the streaming ops need
+    no unaligned head."""
+    dtype = np.dtype(dtype)
+    raw = np.empty(size * dtype.itemsize + alignment, np.uint8)
+    offset = -raw.ctypes.data % alignment
+    return raw[offset:offset + size * dtype.itemsize].view(dtype)
 
 
 def row_chunks(num_rows, width, itemsize, chunk_bytes=DEFAULT_CHUNK_BYTES):

@@ -41,11 +41,12 @@ import os
 
 import numpy as np
 
+from keras_geeps.protocol import aligned_empty, frame_bytes
+
 MAGIC = b"GS1"
 TAG_BYTES = 16
 KEY_BYTES = 32
 SESSION_BYTES = 8
-_ALIGN = 64  # opened frames are 64-byte aligned (DLPack, streaming ops)
 
 
 class SealError(Exception):
@@ -71,20 +72,6 @@ def new_session():
     session = b"S" + os.urandom(SESSION_BYTES - 1)
     return {"session": session, "c2s": os.urandom(KEY_BYTES),
             "s2c": os.urandom(KEY_BYTES)}
-
-
-def _aligned_empty(nbytes):
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    offset = -raw.ctypes.data % _ALIGN
-    return raw[offset:offset + nbytes]
-
-
-def _frame_bytes(frame):
-    """A read-only byte view of a frame (bytes, zmq.Frame or array)."""
-    if hasattr(frame, "buffer"):  # zmq.Frame
-        frame = frame.buffer
-    view = memoryview(frame)
-    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
 class Channel:
@@ -132,7 +119,7 @@ class Channel:
         aad = self._aad(counter, len(frames))
         sealed = [MAGIC, self.session, counter.to_bytes(8, "little")]
         for index, frame in enumerate(frames):
-            data = _frame_bytes(frame)
+            data = frame_bytes(frame)
             out = np.empty(data.nbytes + TAG_BYTES + 15, np.uint8)
             encryptor = self._cipher(
                 self._send_key, self._gcm(self._nonce(counter, index))
@@ -152,13 +139,13 @@ class Channel:
             SealError: it is not a sealed message of this session, a tag
                 fails, or its counter is not above the last one opened.
         """
-        if len(frames) < 4 or bytes(_frame_bytes(frames[0])) != MAGIC:
+        if len(frames) < 4 or bytes(frame_bytes(frames[0])) != MAGIC:
             # (a message has a header frame: with no frame nothing would
             # authenticate its counter)
             raise SealError("not a sealed message")
-        if bytes(_frame_bytes(frames[1])) != self.session:
+        if bytes(frame_bytes(frames[1])) != self.session:
             raise SealError("a sealed message of another session")
-        counter_bytes = bytes(_frame_bytes(frames[2]))
+        counter_bytes = bytes(frame_bytes(frames[2]))
         if len(counter_bytes) != 8:
             raise SealError("a sealed message without its counter")
         counter = int.from_bytes(counter_bytes, "little")
@@ -169,7 +156,7 @@ class Channel:
         aad = self._aad(counter, len(body))
         opened = []
         for index, frame in enumerate(body):
-            data = _frame_bytes(frame)
+            data = frame_bytes(frame)
             if data.nbytes < TAG_BYTES:
                 raise SealError(f"sealed frame {index} is shorter than a tag")
             size = data.nbytes - TAG_BYTES
@@ -178,7 +165,7 @@ class Channel:
                 self._gcm(self._nonce(counter, index),
                           bytes(data[size:]))).decryptor()
             decryptor.authenticate_additional_data(aad)
-            out = _aligned_empty(size + 15)
+            out = aligned_empty(size + 15)  # DLPack, streaming ops
             written = decryptor.update_into(data[:size], out)
             try:
                 decryptor.finalize()

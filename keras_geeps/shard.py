@@ -419,22 +419,9 @@ class ShardServer:
             if curve is not None:
                 from keras_geeps.auth import ShardAuth  # noqa: PLC0415
                 self._auth = ShardAuth(self._context, *curve)
-            self._socket = self._context.socket(zmq.ROUTER)
-            if self._auth is not None:
-                self._auth.apply(self._socket)
-            self._socket.setsockopt(zmq.LINGER, 0)
-            self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            self._socket.setsockopt(zmq.SNDHWM, 0)
-            self._socket.setsockopt(zmq.RCVHWM, 0)
-            # No frame larger than a whole message is taken in: libzmq
-            # drops the connection of a peer that sends one before it is
-            # buffered (room left for the header and CURVE's overhead).
-            self._socket.setsockopt(zmq.MAXMSGSIZE,
-                                    self.settings.max_message_bytes
-                                    + protocol.MAX_HEADER_BYTES)
-            self._socket.bind(bind)
-            self.address = self._socket.getsockopt(
-                zmq.LAST_ENDPOINT).decode()
+            self._socket, self.address = self._bind_router(
+                bind, self._auth.apply if self._auth else None,
+                handover=True)
             if curve is not None:
                 self._data = self._open_data_socket(
                     data_bind or self.address.rsplit(":", 1)[0] + ":0")
@@ -494,27 +481,56 @@ class ShardServer:
             self._close()
             log.info("shard %d stopped", self.shard_id)
 
+    def _bind_router(self, address, secure=None, handover=False,
+                     frame_overhead=0):
+        """A ROUTER with the shard's options, bound to `address`.
+
+        Args:
+            address: where to bind.
+            secure: called with the socket before it binds (CURVE, or the
+                data socket's session check), or None.
+            handover: ROUTER_HANDOVER (a reconnecting peer takes its
+                routing id back at once). Defaults to False.
+            frame_overhead: bytes a frame may carry beyond the message
+                limit and its header (a seal's tag). Defaults to 0.
+
+        Returns:
+            (socket, the address it bound: port 0 resolved).
+        """
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            if secure is not None:
+                secure(sock)
+            sock.setsockopt(zmq.LINGER, 0)
+            if handover:
+                sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            # No frame larger than a whole message is taken in: libzmq
+            # drops the connection of a peer that sends one before it is
+            # buffered (room left for the header and any overhead).
+            sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes
+                            + protocol.MAX_HEADER_BYTES + frame_overhead)
+            sock.bind(address)
+            return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        except BaseException:  # an open socket would block context.term
+            sock.close(linger=0)
+            raise
+
     def _open_data_socket(self, address):
         """The plain ROUTER that sealed messages travel on (with CURVE)."""
         if not seal.available():
             raise ImportError("keras_geeps: a shard with CURVE keys needs "
                               "the `cryptography` package for its sealed "
                               "data channel (pip install cryptography)")
-        sock = self._context.socket(zmq.ROUTER)
         # Connections must name a live session and its token (ZAP), so a
-        # stranger gets nothing buffered here.
-        self._auth.apply_session_check(sock, self._session_tokens)
-        sock.setsockopt(zmq.LINGER, 0)
-        # No ROUTER_HANDOVER: a second connection under a session's
-        # routing id (seen in the clear on the wire) must not take over the
-        # worker's replies. Its own reconnect comes after the old
-        # connection closed.
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes
-                        + protocol.MAX_HEADER_BYTES + seal.TAG_BYTES)
-        sock.bind(address)
-        self.data_address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # stranger gets nothing buffered here. No ROUTER_HANDOVER: a second
+        # connection under a session's routing id (seen in the clear on
+        # the wire) must not take over the worker's replies; its own
+        # reconnect comes after the old connection closed.
+        sock, self.data_address = self._bind_router(
+            address, lambda s: self._auth.apply_session_check(
+                s, self._session_tokens), frame_overhead=seal.TAG_BYTES)
         return sock
 
     def _close(self):
@@ -737,10 +753,12 @@ class ShardServer:
             "max_message_bytes": self.settings.max_message_bytes,
             "max_pending_clocks": self.settings.max_pending_clocks,
             "checkpoint_every": self.settings.checkpoint_every}
+        # Its own number, whatever route the worker's later requests take
+        # (with a sealed session: the data socket's, not this one).
+        self._seqs[worker].mark(message.seq)
         if self._data is not None:
             welcome["sealed"] = self._new_session(worker)
             self._curve_identities[worker] = identity
-            self._seqs[worker].mark(message.seq)  # later ones come sealed
         if self._arena is not None and "shm" in meta:
             peer = shm.PeerBuffers.connect(meta["shm"])
             if peer is not None:  # co-located: it can map ours too
@@ -1010,11 +1028,8 @@ class ShardServer:
                 bad = index[(index < 0) | (index >= table.local_rows)][0]
                 raise RequestError(f"table {table.id}: row index {bad} is "
                                    f"outside [0, {table.local_rows})")
-        elif "into" in message.meta:
+        elif "into" in message.meta:  # the clock's rows: no add follows
             self._adopt_lent(table, worker, clk, message)
-            table.updated[worker] = clk
-            self.stats["updates_applied"] += 1
-            return
         else:
             if "ref" in message.meta:
                 if arrays:

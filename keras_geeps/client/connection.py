@@ -106,10 +106,7 @@ class IOThread:
         self._poll_sockets = {}  # socket -> shard, read by the thread
         self._sockets = []
         for shard, address in enumerate(self._addresses):
-            sock = self._context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock = self._dealer()
             if curve is not None:
                 curve.apply(sock, shard)
             sock.connect(address)
@@ -125,6 +122,14 @@ class IOThread:
         self._thread = threading.Thread(target=self._run, name=name,
                                         daemon=True)
         self._thread.start()
+
+    def _dealer(self):
+        """A DEALER with this thread's options (not yet connected)."""
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        return sock
 
     def send(self, shard, message, future=None):
         """Queues `message` for `shard`; `future` receives the reply.
@@ -290,10 +295,7 @@ class IOThread:
             self._poll_sockets.pop(old.socket, None)
             self._poller.unregister(old.socket)
             old.socket.close(linger=0)
-        sock = self._context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = self._dealer()
         sock.setsockopt(zmq.ROUTING_ID, session)
         sock.plain_username = plain_username.encode()  # the shard's ZAP
         sock.plain_password = token.encode()  # check lets it connect

@@ -1,7 +1,5 @@
 """`GeePSStrategy`: data-parallel `model.fit` through keras_geeps shards."""
 
-import numbers
-
 import tensorflow as tf
 
 from keras_geeps.client import GeePSClient
@@ -9,6 +7,7 @@ from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
 from keras_geeps.keras.sync import ParameterSync, check_update_mode
+from keras_geeps.memory.planner import check_budget
 
 
 class GeePSStrategy(tf.distribute.OneDeviceStrategy):
@@ -86,7 +85,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                  timeout=120.0, device=None, client=None, curve=None,
                  device_memory_budget=None, capture_updates=True):
         check_update_mode(update_mode)
-        _check_budget(device_memory_budget)
+        if device_memory_budget is not None:
+            check_budget(device_memory_budget, "device_memory_budget")
         own_client = client is None
         if own_client:
             client = GeePSClient(cluster or ClusterSpec.from_env(),
@@ -191,8 +191,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         Waits until the tables reflect every worker's last clock (ignoring
         the slack), then assigns them: after the same number of steps,
         every worker then holds identical trainable weights (non-trainable
-        ones, e.g. BatchNorm statistics, stay each worker's own). Under a memory budget
-        the staged layers first get their variables back
+        ones, e.g. BatchNorm statistics, stay each worker's own). Under a
+        memory budget the staged layers first get their variables back
         (`LayerwiseTrainer.materialize()`).
         """
         if self._memory is not None:
@@ -265,16 +265,6 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             self._memory.close()
         _tf_hooks.release_sync(self.parameter_sync)
         self.client.close()
-
-
-def _check_budget(device_memory_budget):
-    """Raises ValueError unless the budget is None or a positive number."""
-    if device_memory_budget is None:
-        return
-    if isinstance(device_memory_budget, bool) or not isinstance(
-            device_memory_budget, numbers.Real) or device_memory_budget <= 0:
-        raise ValueError(f"device_memory_budget must be a positive number of "
-                         f"bytes or None, not {device_memory_budget!r}")
 
 
 class _BudgetGuard:

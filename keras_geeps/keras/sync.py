@@ -25,7 +25,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_geeps import ops
+from keras_geeps import ops, protocol
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
 from keras_geeps.keras.capture import UpdateCapture
@@ -103,14 +103,6 @@ def as_host_array(tensor):
     return np.from_dlpack(tensor)
 
 
-def _aligned_empty(size, dtype, alignment=64):
-    """A 1-D array whose data is 64-byte aligned (TF can then alias it)."""
-    dtype = np.dtype(dtype)
-    raw = np.empty(size * dtype.itemsize + alignment, np.uint8)
-    offset = -raw.ctypes.data % alignment
-    return raw[offset:offset + size * dtype.itemsize].view(dtype)
-
-
 def _variable_name(variable):
     """A variable's Keras path if it has one, else its TF name."""
     return getattr(variable, "path", None) or variable.name.split(":")[0]
@@ -153,7 +145,7 @@ class _BufferPair:
 
     def next(self):
         if self._buffers is None:
-            self._buffers = [_aligned_empty(self.size, self.dtype)
+            self._buffers = [protocol.aligned_empty(self.size, self.dtype)
                              for _ in range(2)]
         buffer = self._buffers[self._next]
         self._next ^= 1

@@ -32,6 +32,8 @@ bytes per step is kept. A budget below the smallest total any plan reaches
 raises `MemoryBudgetError` naming that minimum.
 """
 
+import numbers
+
 from keras_geeps.errors import GeePSError
 
 
@@ -396,6 +398,23 @@ def _limits(sequence):
     return sorted(values)
 
 
+def check_budget(budget, name="budget"):
+    """Returns `budget` in whole bytes.
+
+    Args:
+        budget: a device memory budget in bytes.
+        name: what to call it in the error. Defaults to "budget".
+
+    Raises:
+        ValueError: it is not a number (or is a bool), or not positive.
+    """
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) \
+            or int(budget) <= 0:
+        raise ValueError(f"{name} must be a positive number of bytes, not "
+                         f"{budget!r}")
+    return int(budget)
+
+
 def plan(sequence, budget=None, offload_activations=None):
     """Plans the device memory of the recorded step under a budget.
 
@@ -403,8 +422,8 @@ def plan(sequence, budget=None, offload_activations=None):
         sequence: the step's `AccessSequence` (see `record_model`).
         budget: device bytes the parameter cache, the non-trainable
             variables (frozen layers, BatchNorm statistics; never staged),
-            the access pool and the saved activations may use. Defaults to None: no limit, every
-            table resident.
+            the access pool and the saved activations may use. Defaults to
+            None: no limit, every table resident.
         offload_activations: None (default) keeps every activation on the
             device; "auto" lets the planner offload them, first layers
             first, when the tables alone cannot make the plan fit; a list
@@ -426,9 +445,7 @@ def plan(sequence, budget=None, offload_activations=None):
     ```
     """
     if budget is not None:
-        budget = int(budget)
-        if budget <= 0:
-            raise ValueError(f"budget must be positive, got {budget}")
+        budget = check_budget(budget)
     forced, allowed = _offload_policy(sequence, offload_activations)
     minimum = None
     best = None

@@ -74,30 +74,30 @@ def _global_seed_state():
 _WEIGHT_READERS = ("get_weights", "save_weights", "save")
 
 
-def _non_trainable(layers):
-    """The layers' non-trainable tf.Variables, each once."""
-    seen, out = set(), []
+def _non_trainable_by_layer(layers):
+    """Per layer, its non-trainable tf.Variables not listed for an
+    earlier layer (a shared variable counts once)."""
+    seen, per_layer = set(), []
     for layer in layers:
+        mine = []
         for v in layer.non_trainable_variables:
             tv = _tf_variable(v)
             if id(tv) not in seen:
                 seen.add(id(tv))
-                out.append(tv)
-    return out
+                mine.append(tv)
+        per_layer.append(mine)
+    return per_layer
+
+
+def _non_trainable(layers):
+    """The layers' non-trainable tf.Variables, each once."""
+    return [v for mine in _non_trainable_by_layer(layers) for v in mine]
 
 
 def _fixed_bytes(layers):
     """Per layer, bytes of its non-trainable variables (counted once)."""
-    seen, out = set(), []
-    for layer in layers:
-        total = 0
-        for v in layer.non_trainable_variables:
-            tv = _tf_variable(v)
-            if id(tv) not in seen:
-                seen.add(id(tv))
-                total += tensor_bytes(tv)
-        out.append(total)
-    return out
+    return [sum(tensor_bytes(v) for v in mine)
+            for mine in _non_trainable_by_layer(layers)]
 
 
 def _probe_state_bytes(optimizer, layers):
