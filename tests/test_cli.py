@@ -48,18 +48,24 @@ def test_launch_requires_a_command():
     assert "give the worker command" in result.stderr
 
 
-def test_launch_runs_workers_and_exits_zero(tmp_path):
+def _launch(tmp_path, source, workers, shards):
+    """`keras-geeps launch` of `source` as each worker's script."""
     script = tmp_path / "w.py"
-    script.write_text(
+    script.write_text(source)
+    return _cli("launch", "--workers", str(workers), "--shards",
+                str(shards), "--", sys.executable, str(script))
+
+
+def test_launch_runs_workers_and_exits_zero(tmp_path):
+    result = _launch(
+        tmp_path,
         "import numpy as np\n"
         "from keras_geeps.client import GeePSClient\n"
         "c = GeePSClient(timeout=20)\n"
         "t = c.create_table('t', 2, 2)\n"
         "for _ in range(3):\n"
         "    c.read(t); c.update(t, np.ones((2, 2), np.float32)); c.clock()\n"
-        "print('final', c.read(t, clock=3)[0, 0], flush=True)\n")
-    result = _cli("launch", "--workers", "2", "--shards", "2", "--",
-                  sys.executable, str(script))
+        "print('final', c.read(t, clock=3)[0, 0], flush=True)\n", 2, 2)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("final 6.0") == 2
     assert "[worker 0]" in result.stdout and "[worker 1]" in result.stdout
@@ -83,14 +89,12 @@ def test_checkpoint_on_request(process_cluster, tmp_path):
 
 
 def test_launch_gives_every_worker_the_same_tf_config(tmp_path):
-    script = tmp_path / "w.py"
-    script.write_text(
+    result = _launch(
+        tmp_path,
         "import json, os\n"
         "config = json.loads(os.environ['TF_CONFIG'])\n"
         "print('cluster', json.dumps(config['cluster'], sort_keys=True),"
-        " flush=True)\n")
-    result = _cli("launch", "--workers", "3", "--shards", "1", "--",
-                  sys.executable, str(script))
+        " flush=True)\n", 3, 1)
     assert result.returncode == 0, result.stdout + result.stderr
     clusters = {line.split("cluster ", 1)[1]
                 for line in result.stdout.splitlines() if "cluster " in line}

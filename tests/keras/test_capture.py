@@ -17,15 +17,9 @@ keras = pytest.importorskip("keras")
 import tensorflow as tf  # noqa: E402
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
+from tests.keras import regression_data  # noqa: E402
 
 STEPS, BATCH = 6, 8
-
-
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((STEPS * BATCH, 5)).astype(np.float32)
-    y = rng.standard_normal((STEPS * BATCH, 2)).astype(np.float32)
-    return x, y
 
 
 def _model(constraint=None):
@@ -49,7 +43,7 @@ def _train(thread_cluster, optimizer, capture, slack=0, constraint=None,
             model = _model(constraint)
             model.compile(optimizer=optimizer(), loss="mse",
                           jit_compile=False, run_eagerly=run_eagerly)
-        x, y = _data()
+        x, y = regression_data(STEPS * BATCH)
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                   callbacks=strategy.callbacks() if callbacks else None)
         sync = strategy.parameter_sync

@@ -18,15 +18,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
+from tests.keras import regression_data  # noqa: E402
 
 STEPS, BATCH, EPOCHS = 4, 4, 2
-
-
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((STEPS * BATCH, 5)).astype(np.float32)
-    y = rng.standard_normal((STEPS * BATCH, 2)).astype(np.float32)
-    return x, y
 
 
 def _strategy(thread_cluster):
@@ -97,7 +91,7 @@ def test_epoch_and_train_end_callbacks_see_the_shards_rows(thread_cluster,
         compare = _Compare(strategy)
         counts = _count_catch_up_pulls(strategy.parameter_sync)
         path = str(tmp_path / "ckpt-{epoch}.weights.h5")
-        x, y = _data()
+        x, y = regression_data(STEPS * BATCH)
         # `compare` first: Keras calls callbacks in order, ours sync last.
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
                   verbose=0, callbacks=[compare] + strategy.callbacks(
@@ -122,7 +116,7 @@ def test_a_callback_reading_weights_per_batch_sees_the_shards_rows(
     strategy, model = _strategy(thread_cluster)
     try:
         compare = _Compare(strategy, batches=True)
-        x, y = _data()
+        x, y = regression_data(STEPS * BATCH)
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
                   verbose=0, callbacks=[compare])
         assert len(compare.seen["batch"]) == STEPS * EPOCHS
@@ -135,7 +129,7 @@ def test_a_callback_reading_weights_per_batch_sees_the_shards_rows(
 def test_train_on_batch_leaves_the_weights_current(thread_cluster):
     strategy, model = _strategy(thread_cluster)
     try:
-        x, y = _data()
+        x, y = regression_data(STEPS * BATCH)
         for step in range(3):
             model.train_on_batch(x[:BATCH], y[:BATCH])
             assert strategy.parameter_sync.captured_layers

@@ -15,19 +15,13 @@ import tensorflow as tf  # noqa: E402
 
 from keras_geeps.errors import GeePSError  # noqa: E402
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
+from tests.keras import regression_data  # noqa: E402
 
 STEPS, BATCH = 4, 4
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((STEPS * BATCH, 5)).astype(np.float32)
-    y = rng.standard_normal((STEPS * BATCH, 2)).astype(np.float32)
-    return x, y
-
-
 def _fit(model, epochs=1, **kwargs):
-    x, y = _data()
+    x, y = regression_data(STEPS * BATCH)
     return model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False,
                      verbose=0, **kwargs)
 
@@ -46,46 +40,45 @@ def _assert_weights_are_rows(strategy, layers):
         np.testing.assert_array_equal(values, rows)
 
 
+@pytest.fixture
+def strategy(thread_cluster):
+    """A GeePSStrategy over one thread shard, closed after the test."""
+    strategy = GeePSStrategy(client=thread_cluster(1, 1).client(
+        0, timeout=20))
+    yield strategy
+    strategy.close()
+
+
 def test_a_model_created_after_the_first_step_gets_its_tables(
-        thread_cluster):
-    cluster = thread_cluster(1, 1)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+        strategy):
     sync = strategy.parameter_sync
-    try:
-        with strategy.scope():
-            first = _compiled("first", keras.layers.Dense(2, name="d"))
-        _fit(first)
-        with strategy.scope():
-            second = _compiled("second", keras.layers.Dense(3, name="e"),
-                               keras.layers.Dense(2, name="f"))
-        before = [w.copy() for w in second.get_weights()]
-        _fit(second)
-        assert [t.name for t in sync.tables] == [
-            "first/d", "second/e", "second/f"]
-        assert len(strategy.client.shard_stats()[0]["tables"]) == 3
-        assert [t.table.clock for t in sync.tables] == [STEPS] * 3
-        _assert_weights_are_rows(strategy, sync.tables)
-        assert not any(np.array_equal(a, b) for a, b in
-                       zip(before, second.get_weights()))
-    finally:
-        strategy.close()
+    with strategy.scope():
+        first = _compiled("first", keras.layers.Dense(2, name="d"))
+    _fit(first)
+    with strategy.scope():
+        second = _compiled("second", keras.layers.Dense(3, name="e"),
+                           keras.layers.Dense(2, name="f"))
+    before = [w.copy() for w in second.get_weights()]
+    _fit(second)
+    assert [t.name for t in sync.tables] == [
+        "first/d", "second/e", "second/f"]
+    assert len(strategy.client.shard_stats()[0]["tables"]) == 3
+    assert [t.table.clock for t in sync.tables] == [STEPS] * 3
+    _assert_weights_are_rows(strategy, sync.tables)
+    assert not any(np.array_equal(a, b) for a, b in
+                   zip(before, second.get_weights()))
 
 
 def test_training_a_layer_created_outside_the_scope_is_a_clear_error(
-        thread_cluster):
-    cluster = thread_cluster(1, 1)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
-    try:
-        outside = keras.layers.Dense(2, name="outside")
-        outside.build((None, 3))
-        with strategy.scope():
-            model = _compiled("mixed", keras.layers.Dense(3, name="inside"),
-                              outside)
-        with pytest.raises(GeePSError, match="in no parameter table.*"
-                                             "outside/kernel"):
-            _fit(model)
-    finally:
-        strategy.close()
+        strategy):
+    outside = keras.layers.Dense(2, name="outside")
+    outside.build((None, 3))
+    with strategy.scope():
+        model = _compiled("mixed", keras.layers.Dense(3, name="inside"),
+                          outside)
+    with pytest.raises(GeePSError, match="in no parameter table.*"
+                                         "outside/kernel"):
+        _fit(model)
 
 
 @pytest.mark.parametrize("capture", [True, False], ids=["captured",
@@ -150,79 +143,64 @@ def test_a_failed_strategy_leaves_no_client_behind(thread_cluster):
         client.close()
 
 
-def test_steps_are_counted_with_a_frozen_first_layer(thread_cluster):
-    cluster = thread_cluster(1, 1)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+def test_steps_are_counted_with_a_frozen_first_layer(strategy):
     sync = strategy.parameter_sync
-    try:
-        with strategy.scope():
-            frozen = keras.layers.Dense(3, name="frozen", trainable=False)
-            model = _compiled("partly", frozen, keras.layers.Dense(2))
-        history = _fit(model, epochs=2, callbacks=strategy.callbacks())
-        assert sync.steps == 2 * STEPS
-        assert [t.table.clock for t in sync.tables] == [0, 2 * STEPS]
-        # Per step, not the whole epoch's pull and push time in one.
-        stats = sync.stats()
-        per_step = 1e3 * (stats["pull_seconds"] + stats["push_seconds"]) \
-            / sync.steps
-        assert sum(history.history["ps_step_ms"]) <= 2 * per_step + 0.1
-    finally:
-        strategy.close()
+    with strategy.scope():
+        frozen = keras.layers.Dense(3, name="frozen", trainable=False)
+        model = _compiled("partly", frozen, keras.layers.Dense(2))
+    history = _fit(model, epochs=2, callbacks=strategy.callbacks())
+    assert sync.steps == 2 * STEPS
+    assert [t.table.clock for t in sync.tables] == [0, 2 * STEPS]
+    # Per step, not the whole epoch's pull and push time in one.
+    stats = sync.stats()
+    per_step = 1e3 * (stats["pull_seconds"] + stats["push_seconds"]) \
+        / sync.steps
+    assert sum(history.history["ps_step_ms"]) <= 2 * per_step + 0.1
 
 
 def test_custom_loop_steps_are_counted_with_a_frozen_first_layer(
-        thread_cluster):
-    cluster = thread_cluster(1, 1)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
-    try:
-        with strategy.scope():
-            model = keras.Sequential([
-                keras.Input((5,)),
-                keras.layers.Dense(3, name="frozen", trainable=False),
-                keras.layers.Dense(2, name="b")])
-            optimizer = keras.optimizers.SGD(0.1)
+        strategy):
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((5,)),
+            keras.layers.Dense(3, name="frozen", trainable=False),
+            keras.layers.Dense(2, name="b")])
+        optimizer = keras.optimizers.SGD(0.1)
 
-        @tf.function
-        def train_step(x, y):
-            def step(x, y):
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean((model(x) - y) ** 2)
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads,
-                                              model.trainable_variables))
-                return loss
-            return strategy.run(step, args=(x, y))
+    @tf.function
+    def train_step(x, y):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads,
+                                          model.trainable_variables))
+            return loss
+        return strategy.run(step, args=(x, y))
 
-        x, y = _data()
-        for i in range(STEPS):
-            train_step(x[i * BATCH:(i + 1) * BATCH],
-                       y[i * BATCH:(i + 1) * BATCH])
-        assert strategy.parameter_sync.steps == STEPS
-    finally:
-        strategy.close()
+    x, y = regression_data(STEPS * BATCH)
+    for i in range(STEPS):
+        train_step(x[i * BATCH:(i + 1) * BATCH],
+                   y[i * BATCH:(i + 1) * BATCH])
+    assert strategy.parameter_sync.steps == STEPS
 
 
-def test_push_before_any_pull_is_a_clear_error(thread_cluster):
-    cluster = thread_cluster(1, 1)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+def test_push_before_any_pull_is_a_clear_error(strategy):
     sync = strategy.parameter_sync
-    try:
-        with strategy.scope():
-            _compiled("unpulled", keras.layers.Dense(2, name="d"))
-        sync.build()
-        with pytest.raises(GeePSError, match="unpulled/d.*pull"):
-            sync.push_all()
-        with pytest.raises(GeePSError, match="unpulled/d.*before any pull"):
-            sync.push(0)
-        assert sync.tables[0].table.clock == 0  # nothing was sent
-        sync.pull_all()
+    with strategy.scope():
+        _compiled("unpulled", keras.layers.Dense(2, name="d"))
+    sync.build()
+    with pytest.raises(GeePSError, match="unpulled/d.*pull"):
         sync.push_all()
-        assert sync.tables[0].table.clock == 1
-        rows = strategy.client.read(sync.tables[0].table)
-        np.testing.assert_array_equal(  # a zero update: the rows stand
-            rows.reshape(-1), sync.tables[0].snapshot.numpy())
-    finally:
-        strategy.close()
+    with pytest.raises(GeePSError, match="unpulled/d.*before any pull"):
+        sync.push(0)
+    assert sync.tables[0].table.clock == 0  # nothing was sent
+    sync.pull_all()
+    sync.push_all()
+    assert sync.tables[0].table.clock == 1
+    rows = strategy.client.read(sync.tables[0].table)
+    np.testing.assert_array_equal(  # a zero update: the rows stand
+        rows.reshape(-1), sync.tables[0].snapshot.numpy())
 
 
 def test_own_update_under_ssp_counts_as_the_shards_apply_it(thread_cluster):

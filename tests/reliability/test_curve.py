@@ -26,11 +26,19 @@ def keys(tmp_path):
     return tmp_path
 
 
+def _keyed_cluster(keys, tmp_path=None, workers=1, checkpoint=False):
+    args = ["--curve-secret-key", str(keys / "shard.key_secret"),
+            "--curve-allowed-clients", str(keys / "allowed")]
+    if checkpoint:
+        args += ["--checkpoint-dir", str(tmp_path / "ckpt"),
+                 "--checkpoint-every", "2"]
+    return LocalCluster(1, workers, processes=True, output=sys.stderr,
+                        shard_args=args)
+
+
 @pytest.fixture
 def curve_cluster(keys):
-    cluster = LocalCluster(1, 1, processes=True, output=None, shard_args=[
-        "--curve-secret-key", str(keys / "shard.key_secret"),
-        "--curve-allowed-clients", str(keys / "allowed")])
+    cluster = _keyed_cluster(keys)
     yield cluster
     cluster.stop()
 
@@ -54,16 +62,6 @@ def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
         GeePSClient(spec, timeout=1.5, curve=curve)
     stats = curve_cluster.shards[0]
     assert stats.process.poll() is None  # the shard keeps running
-
-
-def _keyed_cluster(keys, tmp_path=None, workers=1, checkpoint=False):
-    args = ["--curve-secret-key", str(keys / "shard.key_secret"),
-            "--curve-allowed-clients", str(keys / "allowed")]
-    if checkpoint:
-        args += ["--checkpoint-dir", str(tmp_path / "ckpt"),
-                 "--checkpoint-every", "2"]
-    return LocalCluster(1, workers, processes=True, output=sys.stderr,
-                        shard_args=args)
 
 
 def test_everything_after_hello_travels_sealed(keys, curve_cluster):

@@ -172,74 +172,66 @@ def _restart(cluster, shard, args):
     cluster.shards[shard] = victim.restart(args)
 
 
-def test_replay_resends_each_clocks_update_from_a_reused_buffer(tmp_path):
+def test_replay_resends_each_clocks_update_from_a_reused_buffer(
+        tmp_path, process_cluster):
     # update(copy=False) from one buffer the caller refills every clock (as
     # keras' sync does): the replay log must hold each clock's own values.
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4"]
-    cluster = LocalCluster(1, 1, processes=True, shard_args=args,
-                           output=None)
-    try:
-        with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
-            table = client.create_table("t", 3, 4)
-            buffer = np.empty((3, 4), np.float32)
-            for clk in range(10):
-                if clk == 7:  # clocks 4..6 are in the log only
-                    _wait_for_checkpoint(client, table, 4)
-                    _restart(cluster, 0, ["--restore"])
-                buffer[:] = clk + 1
-                client.update(table, buffer, copy=False)
-                client.clock()
-                client.read(table)  # applied: the buffer may be refilled
-            np.testing.assert_array_equal(client.read(table, clock=10),
-                                          np.full((3, 4), 55.0))
-            assert client.shard_stats()[0]["restored_clock"] == 4
-    finally:
-        cluster.stop()
+    cluster = process_cluster(1, 1, shard_args=args, output=None)
+    with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
+        table = client.create_table("t", 3, 4)
+        buffer = np.empty((3, 4), np.float32)
+        for clk in range(10):
+            if clk == 7:  # clocks 4..6 are in the log only
+                _wait_for_checkpoint(client, table, 4)
+                _restart(cluster, 0, ["--restore"])
+            buffer[:] = clk + 1
+            client.update(table, buffer, copy=False)
+            client.clock()
+            client.read(table)  # applied: the buffer may be refilled
+        np.testing.assert_array_equal(client.read(table, clock=10),
+                                      np.full((3, 4), 55.0))
+        assert client.shard_stats()[0]["restored_clock"] == 4
 
 
-def test_request_refused_by_a_restarted_shard_is_sent_again(tmp_path):
+def test_request_refused_by_a_restarted_shard_is_sent_again(
+        tmp_path, process_cluster):
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
-    cluster = LocalCluster(1, 1, processes=True, shard_args=args,
-                           output=None)
-    try:
-        with cluster.client(0, timeout=20, heartbeat_interval=0) as client:
-            t = client.create_table("t", 4, 4, init=np.ones((4, 4)))
-            for _ in range(2):
-                client.read(t)
-                client.update(t, np.ones((4, 4), np.float32))
-                client.clock()
-            _wait_for_checkpoint(client, t, 2)
-            _restart(cluster, 0, ["--restore"])
-            started = time.monotonic()
-            # Refused (no HELLO yet): recovery, then the CREATE again.
-            u = client.create_table("u", 4, 4, init=np.full((4, 4), 2.0))
-            assert time.monotonic() - started < 10  # not the 20 s timeout
-            np.testing.assert_array_equal(client.read(t), np.full((4, 4), 3))
-            client.update(t, np.ones((4, 4), np.float32))
-            client.update(u, np.ones((4, 4), np.float32))
-            client.clock()
-            np.testing.assert_array_equal(client.read(t), np.full((4, 4), 4))
-            np.testing.assert_array_equal(client.read(u), np.full((4, 4), 3))
-            assert client._io._futures == {}
-    finally:
-        cluster.stop()
-
-
-def test_restart_without_checkpoints_fails_the_waiting_request_at_once():
-    cluster = LocalCluster(1, 1, processes=True, output=None)
-    try:
-        with cluster.client(0, timeout=20, heartbeat_interval=0) as client:
-            t = client.create_table("t", 4, 4)
-            client.update(t, np.ones((4, 4), np.float32))
-            client.clock()
+    cluster = process_cluster(1, 1, shard_args=args, output=None)
+    with cluster.client(0, timeout=20, heartbeat_interval=0) as client:
+        t = client.create_table("t", 4, 4, init=np.ones((4, 4)))
+        for _ in range(2):
             client.read(t)
-            _restart(cluster, 0, [])
-            started = time.monotonic()
-            with pytest.raises(GeePSError, match="tables are lost"):
-                client.create_table("u", 4, 4)
-            assert time.monotonic() - started < 10  # not the 20 s timeout
-            with pytest.raises(GeePSError, match="tables are lost"):
-                client.read(t)  # and every later call
-            assert client._io._futures == {}
-    finally:
-        cluster.stop()
+            client.update(t, np.ones((4, 4), np.float32))
+            client.clock()
+        _wait_for_checkpoint(client, t, 2)
+        _restart(cluster, 0, ["--restore"])
+        started = time.monotonic()
+        # Refused (no HELLO yet): recovery, then the CREATE again.
+        u = client.create_table("u", 4, 4, init=np.full((4, 4), 2.0))
+        assert time.monotonic() - started < 10  # not the 20 s timeout
+        np.testing.assert_array_equal(client.read(t), np.full((4, 4), 3))
+        client.update(t, np.ones((4, 4), np.float32))
+        client.update(u, np.ones((4, 4), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(t), np.full((4, 4), 4))
+        np.testing.assert_array_equal(client.read(u), np.full((4, 4), 3))
+        assert client._io._futures == {}
+
+
+def test_restart_without_checkpoints_fails_the_waiting_request_at_once(
+        process_cluster):
+    cluster = process_cluster(1, 1, output=None)
+    with cluster.client(0, timeout=20, heartbeat_interval=0) as client:
+        t = client.create_table("t", 4, 4)
+        client.update(t, np.ones((4, 4), np.float32))
+        client.clock()
+        client.read(t)
+        _restart(cluster, 0, [])
+        started = time.monotonic()
+        with pytest.raises(GeePSError, match="tables are lost"):
+            client.create_table("u", 4, 4)
+        assert time.monotonic() - started < 10  # not the 20 s timeout
+        with pytest.raises(GeePSError, match="tables are lost"):
+            client.read(t)  # and every later call
+        assert client._io._futures == {}
