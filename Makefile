@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: setup.py
-	bash scripts/install_debian_packages.sh
+	PYTHON=$(PYTHON) bash scripts/install_debian_packages.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'

@@ -31,7 +31,7 @@ setup(
     description="GeePS-style parameter server for Keras 3 and TensorFlow",
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # pyaegis
     packages=find_packages(include=["keras_geeps", "keras_geeps.*"]),
     install_requires=[
         "tensorflow==2.21.*",
@@ -41,8 +41,9 @@ setup(
         "tensorflow-datasets",
         "importlib_resources",  # tensorflow-datasets needs it on 3.11
         "filelock",  # one build of the ops when processes import at once
-        # AES-256-GCM (OpenSSL, AES-NI) for CURVE jobs' sealed data channel
-        "cryptography>=42",
+        # AEGIS-256X4 (libaegis) for CURVE jobs' sealed data channel; its
+        # cffi module is used directly (no copies), hence the pin
+        "pyaegis>=0.3.1,<0.4",
     ],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn"],

@@ -11,11 +11,14 @@ anything below is an update lost, anything above one applied twice.
 Part 2: CURVE on vs off, in the same run, with shared memory off (the
 traffic of shards on other machines, which is what CURVE is for). With
 CURVE keys, the HELLO goes over CURVE and everything else over the sealed
-AES-256-GCM data channel (`keras_geeps.seal`):
+AEGIS-256X4 data channel (`keras_geeps.seal`):
   - `curve_vs_plain`: the push+pull round trip of a 16 MB table (1 worker,
-    1 shard process), nothing but transfer: the worst case;
+    1 shard process), nothing but transfer: the worst case. The plain and
+    the keyed cluster run side by side and their trips alternate (40 each,
+    medians), so the machine's drift falls on both alike;
   - `curve_vs_plain_fit`: `model.fit` images/s of fit_bench's 1 M model,
-    2 worker x 2 shard processes, BSP: what a training job sees.
+    2 worker x 2 shard processes, BSP: what a training job sees (two runs
+    each, in turn).
 
 Usage:
     python benchmarks/fault_bench.py [--cycles 20]
@@ -26,6 +29,7 @@ The last line is a JSON object with `cycles`, `updates_lost`,
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -94,55 +98,66 @@ def kill_restart_cycles(cycles, clocks_per_cycle, workers=4):
     return len(recoveries), int(lost), int(duplicated), recoveries
 
 
-def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=20):
+def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=40):
+    """Median push+pull round trip of a `nbytes` table, plain and sealed.
+
+    Both clusters (1 shard process each) run at once and their trips
+    alternate, so the machine's drift (two cores, shared with the shards)
+    falls on both alike. Returns (plain seconds, sealed seconds).
+    """
     rows = nbytes // 4096
-    shard_args = []
-    keys = None
-    if curve_dir:
-        shard_args = ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
-                      "--curve-allowed-clients", f"{curve_dir}/allowed"]
-        keys = ClientKeys(f"{curve_dir}/worker.key_secret",
-                          f"{curve_dir}/shard.key")
-    with LocalCluster(1, 1, processes=True, output=None,
-                      shard_args=shard_args) as cluster:
-        with cluster.client(0, timeout=60, curve=keys,
-                            shared_memory=False) as client:
-            table = client.create_table("p", rows, 1024)
-            out = np.empty((rows, 1024), np.float32)
-            delta = np.ones((rows, 1024), np.float32)
-            times = []
-            for i in range(repeats + 2):
+    keys = ClientKeys(f"{curve_dir}/worker.key_secret",
+                      f"{curve_dir}/shard.key")
+    curve_args = ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
+                  "--curve-allowed-clients", f"{curve_dir}/allowed"]
+    with contextlib.ExitStack() as stack:
+        runs = []
+        for shard_args, curve in (([], None), (curve_args, keys)):
+            cluster = stack.enter_context(LocalCluster(
+                1, 1, processes=True, output=None, shard_args=shard_args))
+            client = stack.enter_context(cluster.client(
+                0, timeout=60, curve=curve, shared_memory=False))
+            runs.append((client, client.create_table("p", rows, 1024), []))
+        out = np.empty((rows, 1024), np.float32)
+        delta = np.ones((rows, 1024), np.float32)
+        for i in range(repeats + 2):
+            for client, table, times in runs:
                 started = time.perf_counter()
                 client.update(table, delta, copy=False)
                 client.clock()
                 client.read(table, out=out)
                 if i >= 2:
                     times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return tuple(statistics.median(times) for _, _, times in runs)
 
 
-def fit_images_per_s(curve_dir):
+def fit_images_per_s(curve_dir, rounds=2):
     """fit_bench's 1 M model, 2 workers x 2 shards, BSP: images/s without
-    and with CURVE (shared memory off on both sides)."""
+    and with CURVE (shared memory off on both sides), each the mean of
+    `rounds` runs taken in turn (plain, CURVE, plain, ...)."""
     import fit_bench  # noqa: PLC0415 (benchmarks/ is on sys.path)
     args = argparse.Namespace(steps=40, batch=128, steps_per_execution=1)
     curve_args = ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
                   "--curve-allowed-clients", f"{curve_dir}/allowed"]
-    figures = []
+    figures = ([], [])
     saved = os.environ.get(shm.ENV_SWITCH)
     os.environ[shm.ENV_SWITCH] = "0"  # workers inherit it
     try:
-        for shard_args, keys in (([], ""), (curve_args, curve_dir)):
-            workers = fit_bench.run_config(
-                args, "1M", 2, 2, shard_args=["--no-shared-memory",
-                                              *shard_args], curve_dir=keys)
-            figures.append(fit_bench.cluster_images_per_s(workers))
+        for _ in range(rounds):
+            for runs, shard_args, keys in ((figures[0], [], ""),
+                                           (figures[1], curve_args,
+                                            curve_dir)):
+                workers = fit_bench.run_config(
+                    args, "1M", 2, 2, shard_args=["--no-shared-memory",
+                                                  *shard_args],
+                    curve_dir=keys)
+                runs.append(fit_bench.cluster_images_per_s(workers))
     finally:
         if saved is None:
             del os.environ[shm.ENV_SWITCH]
         else:
             os.environ[shm.ENV_SWITCH] = saved
-    return figures
+    return tuple(statistics.mean(runs) for runs in figures)
 
 
 def main():
@@ -161,8 +176,7 @@ def main():
         for name in ("worker", "worker0", "worker1"):
             keygen(keys, name)
             shutil.copy(f"{keys}/{name}.key", f"{keys}/allowed/{name}.key")
-        plain = round_trip_seconds(None)
-        curve = round_trip_seconds(keys)
+        plain, curve = round_trip_seconds(keys)
         print(f"16 MB round trip: plain {plain * 1e3:.1f} ms, CURVE "
               f"{curve * 1e3:.1f} ms", flush=True)
         fit_plain, fit_curve = fit_images_per_s(keys)

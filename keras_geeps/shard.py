@@ -521,8 +521,8 @@ class ShardServer:
         """The plain ROUTER that sealed messages travel on (with CURVE)."""
         if not seal.available():
             raise ImportError("keras_geeps: a shard with CURVE keys needs "
-                              "the `cryptography` package for its sealed "
-                              "data channel (pip install cryptography)")
+                              "the `pyaegis` package for its sealed data "
+                              "channel (pip install pyaegis)")
         # Connections must name a live session and its token (ZAP), so a
         # stranger gets nothing buffered here. No ROUTER_HANDOVER: a second
         # connection under a session's routing id (seen in the clear on

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Installs the Debian packages keras_geeps needs: Fashion-MNIST for the main
-# job (files under /usr/share/datasets/fashion-mnist/). Idempotent.
+# job (files under /usr/share/datasets/fashion-mnist/), and, where they are
+# missing, a C compiler and the headers of Debian's Python (pyaegis, the
+# sealed channel's cipher, builds from source). Idempotent.
 set -euo pipefail
 packages=(dataset-fashion-mnist)
+command -v cc >/dev/null 2>&1 || packages+=(gcc)
+python=${PYTHON:-python3}
+if ! "$python" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(
+    os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
+  packages+=(python3-dev)  # (a Python not from Debian brings its own)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

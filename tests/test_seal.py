@@ -22,12 +22,63 @@ def _frames():
 def test_round_trip_in_both_directions(pair):
     worker, shard = pair
     for sender, receiver in ((worker, shard), (shard, worker)) * 2:
-        opened = receiver.open(sender.seal(_frames()))
+        sealed = sender.seal(_frames())
+        assert len(sealed[4]) == 4000 + seal.TAG_BYTES
+        opened = receiver.open(sealed)
         assert bytes(opened[0]) == b"a header"
         np.testing.assert_array_equal(opened[1].view(np.float32),
                                       np.arange(1000, dtype=np.float32))
         assert opened[2].nbytes == 0
-        assert opened[1].ctypes.data % 64 == 0  # DLPack-ready
+        # Writable sealed frames (as ZeroMQ hands them out) open in place.
+        assert opened[1].ctypes.data == sealed[4].ctypes.data
+
+
+def test_read_only_frames_open_into_aligned_buffers(pair):
+    worker, shard = pair
+    sealed = [bytes(frame) for frame in worker.seal(_frames())]
+    opened = shard.open(sealed)
+    np.testing.assert_array_equal(opened[1].view(np.float32),
+                                  np.arange(1000, dtype=np.float32))
+    assert opened[1].ctypes.data % 64 == 0  # DLPack-ready
+    assert bytes(shard.open([bytes(f) for f in worker.seal(_frames())])[0]) \
+        == b"a header"
+
+
+def test_the_ciphertext_hides_the_rows(pair):
+    worker, _ = pair
+    rows = np.full(4096, 7, np.uint8)
+    body = np.asarray(worker.seal([b"h", rows])[4])
+    assert body.nbytes == rows.nbytes + seal.TAG_BYTES
+    # 7 would appear ~16 times by chance; a plain copy has it 4096 times.
+    assert np.count_nonzero(body[:rows.nbytes] == 7) < 100
+
+
+def test_seal_buffers_are_reused_only_when_nothing_holds_them(pair):
+    worker, shard = pair
+    rows = np.arange(1 << 16, dtype=np.float32)
+    first = worker.seal([b"h", rows])
+    held = memoryview(first[4])  # as ZeroMQ holds a frame until it is sent
+    kept = bytes(first[4])
+    del first
+    second = worker.seal([b"h", rows])
+    assert second[4].ctypes.data != np.asarray(held).ctypes.data
+    assert bytes(held) == kept  # not overwritten while held
+    address = second[4].ctypes.data
+    del second
+    third = worker.seal([b"h", rows])
+    assert third[4].ctypes.data == address  # free again: reused
+    # A slice keeps the whole buffer from reuse.
+    part = third[4][100:200]
+    del third
+    fourth = worker.seal([b"h", rows])
+    assert fourth[4].ctypes.data != address
+    del part
+    # Never more than the pool's limit kept.
+    frames = [worker.seal([b"h", rows]) for _ in range(100)]
+    assert worker._buffers.nbytes <= worker._buffers.max_bytes
+    assert len({f[4].ctypes.data for f in frames}) == 100
+    opened = shard.open(worker.seal([b"h", rows]))
+    np.testing.assert_array_equal(opened[1].view(np.float32), rows)
 
 
 def _flip(frame, at):
