@@ -29,8 +29,9 @@ live only in the two processes' memory, and a new session (every HELLO)
 gets new ones, so no (key, nonce) pair is ever used twice.
 
 A received frame is opened in place, where ZeroMQ put it (as plain frames
-are used where they arrive); sealing writes into buffers the channel
-reuses once ZeroMQ has let go of them (at most 16 MiB kept per channel).
+are used where they arrive); sealing writes into buffers reused once
+ZeroMQ has let go of them (`Buffers`: one pool per thread, at most 32 MiB
+kept).
 
 Example:
 
@@ -65,10 +66,13 @@ def _aegis():
     """pyaegis's cffi bindings of libaegis: (ffi, lib), initialised."""
     try:
         from pyaegis._aegis_ffi import ffi, lib  # noqa: PLC0415
-    except ImportError as exc:
+        for name in ("encrypt", "decrypt"):
+            getattr(lib, f"{CIPHER}_{name}")
+    except (ImportError, AttributeError) as exc:
         raise ImportError(
-            "keras_geeps: CURVE keys need the `pyaegis` package for the "
-            "sealed data channel (pip install pyaegis)") from exc
+            f"keras_geeps: CURVE keys need the `pyaegis` package (0.3.x) for "
+            f"the sealed data channel: pip install 'pyaegis>=0.3.1,<0.4' "
+            f"({exc})") from exc
     lib.aegis_init()  # picks the CPU's fastest implementation (idempotent)
     return ffi, lib
 
@@ -94,43 +98,53 @@ def new_session():
             "s2c": os.urandom(KEY_BYTES)}
 
 
-class _Buffers:
+class Buffers:
     """Sealed frames' buffers, reused once nothing else refers to them.
 
-    ZeroMQ holds a sealed frame until it is on the wire, so buffers are
-    many and short-lived; a fresh one costs page faults and cache misses
-    on its first write (sealing 2 MB into one is ~1.5x slower than into a
-    reused one). A buffer is handed out again only when CPython's
-    reference counts say nothing but this pool holds it or its memory.
+    ZeroMQ holds a frame sent without copying until it is on the wire, so
+    sealed buffers are many and short-lived; a fresh one costs page faults
+    and cache misses on its first write (sealing 2 MB into one is ~1.5x
+    slower than into a reused one). A buffer is handed out again only when
+    nothing but this pool holds it or its memory: its reference counts and
+    its base's equal those of a probe array held by nothing else, measured
+    by the same code (so the interpreter's way of counting, e.g. 3.14's
+    borrowed references, does not matter). Frames under ZeroMQ's copy
+    threshold are copied by pyzmq anyway and are not pooled. One pool
+    serves all the channels of one thread (a shard's serve loop, a worker's
+    I/O thread); it must not be shared between threads.
 
     Args:
-        max_bytes: the most bytes kept for reuse. Defaults to 16 MiB.
+        max_bytes: the most bytes kept for reuse. Defaults to 32 MiB.
     """
 
-    def __init__(self, max_bytes=16 << 20):
+    MIN_BYTES = 1 << 16  # pyzmq's copy threshold for copy=False sends
+
+    def __init__(self, max_bytes=32 << 20):
         self._arrays = []
         self.max_bytes = max_bytes
+        self._free = self._references([aligned_empty(1)])[0]
+
+    @staticmethod
+    def _references(arrays):
+        return [(sys.getrefcount(a), sys.getrefcount(a.base)) for a in arrays]
 
     def take(self, nbytes):
         """A uint8 array of `nbytes` (64-byte aligned): a free one of that
         size, else a new one (kept for reuse while under `max_bytes`)."""
-        for array in self._arrays:
-            # Free: referred to by the list, `array` and getrefcount's
-            # argument; its base by `array` and the argument.
-            if array.nbytes == nbytes and sys.getrefcount(array) == 3 and \
-                    sys.getrefcount(array.base) == 2:
+        if nbytes < self.MIN_BYTES:
+            return aligned_empty(nbytes)
+        for array, counts in zip(self._arrays,
+                                 self._references(self._arrays)):
+            if counts == self._free and array.nbytes == nbytes:
                 return array
         array = aligned_empty(nbytes)
-        if sum(a.nbytes for a in self._arrays) + nbytes > self.max_bytes:
-            self._drop_free()
-        if sum(a.nbytes for a in self._arrays) + nbytes <= self.max_bytes:
+        if self.nbytes + nbytes > self.max_bytes:
+            self._arrays = [a for a, counts in zip(
+                self._arrays, self._references(self._arrays))
+                if counts != self._free]  # drops the free ones
+        if self.nbytes + nbytes <= self.max_bytes:
             self._arrays.append(array)
         return array
-
-    def _drop_free(self):
-        self._arrays = [a for a in self._arrays
-                        if sys.getrefcount(a) > 3 or
-                        sys.getrefcount(a.base) > 2]
 
     @property
     def nbytes(self):
@@ -145,12 +159,14 @@ class Channel:
         session: the session id (bytes).
         send_key: this side's key for sending.
         receive_key: the other side's key (what it sends with).
+        buffers: the `Buffers` pool sealing writes into, shared by the
+            channels one thread uses. Defaults to a pool of its own.
 
     Raises:
         ImportError: naming the missing `pyaegis` package.
     """
 
-    def __init__(self, session, send_key, receive_key):
+    def __init__(self, session, send_key, receive_key, buffers=None):
         ffi, lib = _aegis()
         self._ffi = ffi
         self._encrypt = getattr(lib, f"{CIPHER}_encrypt")
@@ -164,7 +180,7 @@ class Channel:
                                  f"not {len(key)}")
         self.sent = 0       # the last counter sealed
         self.received = 0   # the last counter opened
-        self._buffers = _Buffers()
+        self._buffers = Buffers() if buffers is None else buffers
 
     def _aad(self, counter, count):
         return (MAGIC + self.session + counter.to_bytes(8, "little")
@@ -197,8 +213,9 @@ class Channel:
 
     def open(self, frames):
         """The plain frames of a sealed message: uint8 arrays, each in
-        place in its sealed frame when that is writable (a received
-        ZeroMQ frame), else in a new 64-byte aligned buffer.
+        place in its sealed frame when that is a received `zmq.Frame`
+        (whose sealed bytes are then gone), else in a new 64-byte aligned
+        buffer.
 
         Raises:
             SealError: it is not a sealed message of this session, a tag
@@ -226,10 +243,10 @@ class Channel:
             if data.nbytes < TAG_BYTES:
                 raise SealError(f"sealed frame {index} is shorter than a tag")
             size = data.nbytes - TAG_BYTES
-            # In place in a received (writable) frame, as plain frames are
-            # used where they arrived; else into a new buffer.
-            out = aligned_empty(size) if data.readonly else \
-                np.frombuffer(data, np.uint8, size)
+            # In place in a received ZeroMQ frame (ours alone), as plain
+            # frames are used where they arrived; else into a new buffer.
+            out = np.frombuffer(data, np.uint8, size) if hasattr(
+                frame, "buffer") and not data.readonly else aligned_empty(size)
             if self._decrypt(from_buffer(out, require_writable=True),
                              from_buffer(data), data.nbytes, TAG_BYTES, aad,
                              len(aad), self._nonce(counter, index),

@@ -409,6 +409,7 @@ class ShardServer:
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0}
         self._sessions = {}       # session id -> _Session (sealed data)
+        self._seal_buffers = None  # seal.Buffers of every session
         self._curve_identities = {}  # worker -> its CURVE route (sealed)
         self._session_tokens = {}  # session hex -> token hex (data ZAP)
         self._curve_user = None   # the CURVE key of the message in hand
@@ -777,8 +778,11 @@ class ShardServer:
             del self._sessions[old]
             self._session_tokens.pop(old.hex(), None)
         keys = seal.new_session()
+        if self._seal_buffers is None:  # one pool: all seal in this thread
+            self._seal_buffers = seal.Buffers()
         self._sessions[keys["session"]] = _Session(
-            worker, seal.Channel(keys["session"], keys["s2c"], keys["c2s"]))
+            worker, seal.Channel(keys["session"], keys["s2c"], keys["c2s"],
+                                 self._seal_buffers))
         token = os.urandom(16).hex()  # lets it connect (not a key)
         self._session_tokens[keys["session"].hex()] = token
         self._identities[worker] = ("sealed", keys["session"])
@@ -1361,12 +1365,14 @@ class ShardServer:
             return
         log.warning("shard %d: %s; continuing without it", self.shard_id,
                     error)
-        self._dead.add(worker)
         self._forget_shm(worker)
         for table in self._tables.values():
             table.vclock[worker] = DEAD_CLOCK
             table.subscribers.discard(worker)
             self._maybe_advance(table)
+        # Last: whoever sees it dead (stats, from another thread too) also
+        # sees its buffers freed and its clocks no longer awaited.
+        self._dead.add(worker)
 
     def _restarted(self, worker):
         """A new process of a worker this shard still counts as live.

@@ -9,7 +9,8 @@ command -v cc >/dev/null 2>&1 || packages+=(gcc)
 python=${PYTHON:-python3}
 if ! "$python" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(
     os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then
-  packages+=(python3-dev)  # (a Python not from Debian brings its own)
+  # Debian's python3.X-dev (a Python not from Debian brings its own)
+  packages+=("python$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev")
 fi
 missing=()
 for p in "${packages[@]}"; do

@@ -1,7 +1,10 @@
 """The sealed data channel's framing against tampering, and its speed."""
 
+import time
+
 import numpy as np
 import pytest
+import zmq
 
 from keras_geeps import seal
 
@@ -19,6 +22,16 @@ def _frames():
             np.zeros((0,), np.uint8)]
 
 
+def _received(frames):
+    """`frames` as ZeroMQ hands them to a receiver (zmq.Frame, no copy)."""
+    context = zmq.Context.instance()
+    with context.socket(zmq.PAIR) as a, context.socket(zmq.PAIR) as b:
+        a.bind("inproc://test-seal")
+        b.connect("inproc://test-seal")
+        a.send_multipart(frames)
+        return b.recv_multipart(copy=False)
+
+
 def test_round_trip_in_both_directions(pair):
     worker, shard = pair
     for sender, receiver in ((worker, shard), (shard, worker)) * 2:
@@ -29,8 +42,28 @@ def test_round_trip_in_both_directions(pair):
         np.testing.assert_array_equal(opened[1].view(np.float32),
                                       np.arange(1000, dtype=np.float32))
         assert opened[2].nbytes == 0
-        # Writable sealed frames (as ZeroMQ hands them out) open in place.
-        assert opened[1].ctypes.data == sealed[4].ctypes.data
+        # Not a received frame: opened into a new (aligned) buffer, the
+        # sealed one untouched.
+        assert opened[1].ctypes.data % 64 == 0
+        assert not np.shares_memory(opened[1], sealed[4])
+
+
+def test_received_frames_open_in_place(pair):
+    worker, shard = pair
+    frames = _received(worker.seal(_frames()))
+    opened = shard.open(frames)
+    np.testing.assert_array_equal(opened[1].view(np.float32),
+                                  np.arange(1000, dtype=np.float32))
+    # Where ZeroMQ put it, as plain frames are used.
+    assert opened[1].ctypes.data == np.frombuffer(
+        frames[4].buffer, np.uint8).ctypes.data
+    # A forged received frame fails and is not used.
+    forged = _received(worker.seal(_frames()))
+    forged[4].buffer[7] ^= 1
+    with pytest.raises(seal.SealError, match="authenticate"):
+        shard.open(forged)
+    assert bytes(shard.open(_received(worker.seal(_frames())))[0]) == \
+        b"a header"
 
 
 def test_read_only_frames_open_into_aligned_buffers(pair):
@@ -53,9 +86,37 @@ def test_the_ciphertext_hides_the_rows(pair):
     assert np.count_nonzero(body[:rows.nbytes] == 7) < 100
 
 
+def test_seal_buffers_in_flight_on_a_socket_are_not_reused(pair):
+    worker, shard = pair
+    rows = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect("tcp://127.0.0.1:9")  # nobody there: the frame waits
+    try:
+        sealed = worker.seal([b"h", rows])
+        address = sealed[4].ctypes.data
+        sock.send_multipart(sealed, copy=False)
+        del sealed  # only pyzmq holds it now
+        again = worker.seal([b"h", rows])
+        assert again[4].ctypes.data != address
+        del again
+    finally:
+        sock.close(linger=0)
+        context.term()
+    # libzmq let go of it: reused (pyzmq releases it from its own thread).
+    for _ in range(100):
+        reused = worker.seal([b"h", rows])
+        if reused[4].ctypes.data == address:
+            break
+        del reused
+        time.sleep(0.01)
+    else:
+        raise AssertionError("the released buffer was never reused")
+
+
 def test_seal_buffers_are_reused_only_when_nothing_holds_them(pair):
     worker, shard = pair
-    rows = np.arange(1 << 16, dtype=np.float32)
+    rows = np.arange(1 << 16, dtype=np.float32)  # 256 KiB: pooled
     first = worker.seal([b"h", rows])
     held = memoryview(first[4])  # as ZeroMQ holds a frame until it is sent
     kept = bytes(first[4])
@@ -74,9 +135,15 @@ def test_seal_buffers_are_reused_only_when_nothing_holds_them(pair):
     assert fourth[4].ctypes.data != address
     del part
     # Never more than the pool's limit kept.
-    frames = [worker.seal([b"h", rows]) for _ in range(100)]
-    assert worker._buffers.nbytes <= worker._buffers.max_bytes
-    assert len({f[4].ctypes.data for f in frames}) == 100
+    frames = [worker.seal([b"h", rows]) for _ in range(200)]
+    assert 0 < worker._buffers.nbytes <= worker._buffers.max_bytes
+    assert len({f[4].ctypes.data for f in frames}) == 200
+    # Small frames (pyzmq copies them) are not pooled.
+    del frames
+    pool = seal.Buffers()
+    small = pool.take(100)
+    del small
+    assert pool.nbytes == 0
     opened = shard.open(worker.seal([b"h", rows]))
     np.testing.assert_array_equal(opened[1].view(np.float32), rows)
 

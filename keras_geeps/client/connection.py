@@ -103,6 +103,7 @@ class IOThread:
         self._doorbell = self._context.socket(zmq.PUSH)
         self._doorbell.connect(endpoint)
         self._links = {}  # shard -> _SealedLink, after a sealed WELCOME
+        self._seal_buffers = None  # seal.Buffers of every link
         self._poll_sockets = {}  # socket -> shard, read by the thread
         self._sockets = []
         for shard, address in enumerate(self._addresses):
@@ -300,8 +301,11 @@ class IOThread:
         sock.plain_username = plain_username.encode()  # the shard's ZAP
         sock.plain_password = token.encode()  # check lets it connect
         sock.connect(f"{self._addresses[shard].rsplit(':', 1)[0]}:{port}")
+        if self._seal_buffers is None:  # one pool: all seal in this thread
+            self._seal_buffers = seal.Buffers()
         self._links[shard] = _SealedLink(sock, seal.Channel(
-            session, bytes.fromhex(c2s), bytes.fromhex(s2c)))
+            session, bytes.fromhex(c2s), bytes.fromhex(s2c),
+            self._seal_buffers))
         self._poll_sockets[sock] = shard
         self._poller.register(sock, zmq.POLLIN)
 
