@@ -1430,7 +1430,9 @@ class ShardServer:
                     shm_buffers=sum(len(t.pool.shared)
                                     for t in self._tables.values()),
                     shm_held=sum(sum(h.values())
-                                 for h in self._holds.values()))
+                                 for h in self._holds.values()),
+                    seal_buffer_bytes=(self._seal_buffers.nbytes
+                                       if self._seal_buffers else 0))
 
 
 def build_parser(parser=None):

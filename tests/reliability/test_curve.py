@@ -79,6 +79,8 @@ def test_everything_after_hello_travels_sealed(keys, curve_cluster):
     # pushes came sealed.
     assert stats["sealed_in"] >= stats["messages_in"] - 1 >= 6
     assert stats["sealed_out"] >= 4 and stats["errors"] == 0
+    # Its sealing buffers: reused, within the pool's bound (32 MiB).
+    assert 1 << 20 <= stats["seal_buffer_bytes"] <= 32 << 20
 
 
 def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
