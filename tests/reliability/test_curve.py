@@ -43,6 +43,45 @@ def curve_cluster(keys):
     cluster.stop()
 
 
+def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
+    """Three keyed workers (threads) on one keyed shard process push 1 MiB
+    tables for 12 clocks: the shard seals every session's rows through one
+    reused buffer pool and each worker through its own, so a buffer handed
+    out while still being sent would fail a tag (a dropped message, a
+    stall) or change a sum."""
+    import threading  # noqa: PLC0415
+
+    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    clocks, results, errors = 12, {}, []
+
+    def work(w, cluster):
+        try:
+            with cluster.client(w, timeout=30, curve=curve,
+                                shared_memory=False) as client:
+                table = client.create_table("t", 1024, 256)
+                for clk in range(clocks):
+                    client.update(table, np.full((1024, 256), w + 1,
+                                                 np.float32))
+                    client.clock()
+                    np.testing.assert_array_equal(
+                        client.read(table, clock=clk + 1), 6.0 * (clk + 1))
+                results[w] = client.shard_stats()[0]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with _keyed_cluster(keys, workers=3) as cluster:
+        threads = [threading.Thread(target=work, args=(w, cluster))
+                   for w in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+    stats = results[0]
+    assert stats["errors"] == 0 and stats["sealed_out"] >= 3 * clocks
+    assert 0 < stats["seal_buffer_bytes"] <= 32 << 20
+
+
 def test_keyed_client_reads_and_writes(keys, curve_cluster):
     curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
     with curve_cluster.client(0, timeout=10, curve=curve) as client:
