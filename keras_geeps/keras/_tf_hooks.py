@@ -20,7 +20,9 @@ step behind the shards, so the same function makes Keras catch them up
 wherever user code can see them between steps: `CallbackList`'s dispatch
 (before epoch / train end, evaluate / predict begin, and around train
 batches when a callback reads weights there), after `train_on_batch`, and
-in `finalize_variable_values` (the end of `fit`).
+in `finalize_variable_values` (the end of `fit`). Before epoch-end
+callbacks the strategy's `EpochLogAverager` (keras/epoch_logs.py) first
+replaces the epoch's logs by their mean over the workers.
 """
 
 import contextlib
@@ -176,6 +178,18 @@ def _install_catch_ups():
             return _original(self, *args, **kwargs)
 
         setattr(callback_list, name, before)
+    on_epoch_end = callback_list.on_epoch_end
+
+    @functools.wraps(on_epoch_end)
+    def averaged(self, epoch, logs=None):
+        strategy = getattr(getattr(self, "_model", None),
+                           "distribute_strategy", None)
+        averager = getattr(strategy, "epoch_logs", None)
+        if averager is not None and logs is not None:
+            averager.average(logs)  # before any callback sees them
+        return on_epoch_end(self, epoch, logs)
+
+    callback_list.on_epoch_end = averaged
     for name in ("on_train_batch_begin", "on_train_batch_end"):
         original = getattr(callback_list, name)
 

@@ -6,6 +6,7 @@ from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
+from keras_geeps.keras.epoch_logs import EpochLogAverager
 from keras_geeps.keras.sync import ParameterSync, check_update_mode
 from keras_geeps.memory.planner import check_budget
 
@@ -79,11 +80,20 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             `fit`'s epoch-end and train-end callbacks (and around train
             batches when a callback reads weights there), after
             `train_on_batch`, and at the end of `fit`. Defaults to True.
+        average_epoch_logs: before `fit`'s epoch-end callbacks run, replace
+            each number in the epoch's logs (loss, metrics, validation
+            metrics) by its mean over the live workers, so that every
+            worker's History shows the same figures and deciding callbacks
+            (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint(
+            save_best_only=True)`) decide alike on every worker; costs a
+            one-row table read per epoch (`keras/epoch_logs.py`). Defaults
+            to True.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",
                  timeout=120.0, device=None, client=None, curve=None,
-                 device_memory_budget=None, capture_updates=True):
+                 device_memory_budget=None, capture_updates=True,
+                 average_epoch_logs=True):
         check_update_mode(update_mode)
         if device_memory_budget is not None:
             check_budget(device_memory_budget, "device_memory_budget")
@@ -94,6 +104,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         try:
             self._init(client, update_mode, device, device_memory_budget,
                        capture_updates)
+            self.epoch_logs = EpochLogAverager(client) \
+                if average_epoch_logs else None
         except BaseException:
             if own_client:  # its I/O thread would keep heartbeating
                 client.close()

@@ -70,6 +70,10 @@ def main():
     parser.add_argument("--steps-per-execution", type=int, default=1)
     parser.add_argument("--max-steps", type=int, default=0)
     parser.add_argument("--validate", action="store_true")
+    parser.add_argument("--val-per-worker", action="store_true",
+                        help="validate on a slice of its own per worker")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="EarlyStopping on val_loss after 2 epochs")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--die-worker", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=60.0)
@@ -97,13 +101,19 @@ def main():
     if args.backup_dir:
         callbacks.append(keras.callbacks.BackupAndRestore(
             os.path.join(args.backup_dir, f"worker{w}"), save_freq=4))
+    if args.early_stop:
+        callbacks.append(keras.callbacks.EarlyStopping(
+            monitor="val_loss", patience=0, min_delta=1e9,
+            restore_best_weights=True))
     if args.die_all_at:
         epoch, batch = map(int, args.die_all_at.split(":"))
         callbacks.append(DieAt(batch, epoch, code=9))
     history = model.fit(
         strategy.distribute_dataset(ds), epochs=args.epochs, verbose=2,
         callbacks=callbacks,
-        validation_data=(x[:200], y[:200]) if args.validate else None)
+        validation_data=(x[200 * w:200 * (w + 1)], y[200 * w:200 * (w + 1)])
+        if args.val_per_worker else (x[:200], y[:200]) if args.validate
+        else None)
     result = {"worker": w, "history": history.history,
               "stats": strategy.ps_stats()}
     if args.validate:

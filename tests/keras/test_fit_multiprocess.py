@@ -94,6 +94,22 @@ def test_fit_features_validation_evaluate_predict_save(tmp_path):
         assert history["ps_sent_mb"][0] > 0
 
 
+def test_epoch_logs_are_averaged_so_early_stopping_agrees(tmp_path):
+    """Each worker validates on data of its own: the logs every callback
+    sees are the workers' mean, the same on both, so EarlyStopping stops
+    both after the same epoch (one stopping alone would leave the other
+    waiting for its clock) and restores the same best weights."""
+    results = _run(tmp_path, "--epochs", "5", "--val-per-worker",
+                   "--early-stop")
+    (weights0, result0), (weights1, result1) = results
+    history0, history1 = result0["history"], result1["history"]
+    assert len(history0["loss"]) == len(history1["loss"]) == 2
+    for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
+        np.testing.assert_allclose(history0[key], history1[key], rtol=1e-6)
+    for a, b in zip(weights0, weights1):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
     # Started by hand (not by the launcher, which would stop worker 0 as
     # soon as worker 1 dies): worker 0 must stop on its own, with an error.
