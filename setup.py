@@ -13,6 +13,7 @@ from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+AEGIS = "pyaegis>=0.3.1,<0.4"  # the sealed channel's cipher (extra "curve")
 
 
 class BuildPyWithOpSources(build_py):
@@ -31,7 +32,7 @@ setup(
     description="GeePS-style parameter server for Keras 3 and TensorFlow",
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.11",  # pyaegis
+    python_requires=">=3.11",  # what CI tests; pyaegis (extra "curve") needs it
     packages=find_packages(include=["keras_geeps", "keras_geeps.*"]),
     install_requires=[
         "tensorflow==2.21.*",
@@ -41,12 +42,14 @@ setup(
         "tensorflow-datasets",
         "importlib_resources",  # tensorflow-datasets needs it on 3.11
         "filelock",  # one build of the ops when processes import at once
-        # AEGIS-256X4 (libaegis) for CURVE jobs' sealed data channel; its
-        # cffi module is used directly (no copies), hence the pin
-        "pyaegis>=0.3.1,<0.4",
     ],
     extras_require={
-        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn"],
+        # CURVE jobs' sealed data channel: AEGIS-256X4 (libaegis). pyaegis
+        # builds from source (a C compiler), so only jobs with keys need
+        # it; its cffi module is used directly (no copies), hence the pin.
+        "curve": [AEGIS],
+        "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn",
+                 AEGIS],
     },
     entry_points={"console_scripts": ["keras-geeps=keras_geeps.cli:main"]},
     cmdclass={"build_py": BuildPyWithOpSources},

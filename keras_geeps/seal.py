@@ -62,6 +62,10 @@ class SealError(Exception):
     """A sealed message that does not open: forged, altered or replayed."""
 
 
+INSTALL_HINT = ("pip install 'keras-geeps[curve]' (or "
+                "'pyaegis>=0.3.1,<0.4')")
+
+
 def _aegis():
     """pyaegis's cffi bindings of libaegis: (ffi, lib), initialised."""
     try:
@@ -71,10 +75,14 @@ def _aegis():
     except (ImportError, AttributeError) as exc:
         raise ImportError(
             f"keras_geeps: CURVE keys need the `pyaegis` package (0.3.x) for "
-            f"the sealed data channel: pip install 'pyaegis>=0.3.1,<0.4' "
-            f"({exc})") from exc
+            f"the sealed data channel: {INSTALL_HINT} ({exc})") from exc
     lib.aegis_init()  # picks the CPU's fastest implementation (idempotent)
     return ffi, lib
+
+
+def require():
+    """Raises ImportError, naming what to install, without `pyaegis`."""
+    _aegis()
 
 
 def available():

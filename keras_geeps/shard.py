@@ -520,10 +520,7 @@ class ShardServer:
 
     def _open_data_socket(self, address):
         """The plain ROUTER that sealed messages travel on (with CURVE)."""
-        if not seal.available():
-            raise ImportError("keras_geeps: a shard with CURVE keys needs "
-                              "the `pyaegis` package for its sealed data "
-                              "channel (pip install pyaegis)")
+        seal.require()  # a shard with CURVE keys seals its data channel
         # Connections must name a live session and its token (ZAP), so a
         # stranger gets nothing buffered here. No ROUTER_HANDOVER: a second
         # connection under a session's routing id (seen in the clear on

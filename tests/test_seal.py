@@ -1,5 +1,6 @@
 """The sealed data channel's framing against tampering, and its speed."""
 
+import sys
 import time
 
 import numpy as np
@@ -205,3 +206,21 @@ def test_the_other_directions_key_does_not_open(pair):
 def test_module_example():
     import doctest  # noqa: PLC0415
     assert doctest.testmod(seal).failed == 0
+
+
+def test_without_pyaegis_keys_fail_naming_the_extra(monkeypatch, tmp_path):
+    from keras_geeps.auth import ClientKeys, keygen  # noqa: PLC0415
+    from keras_geeps.client import GeePSClient  # noqa: PLC0415
+    from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
+
+    keygen(tmp_path, "shard")
+    keygen(tmp_path, "worker")
+    keys = ClientKeys(tmp_path / "worker.key_secret", tmp_path / "shard.key")
+    monkeypatch.setitem(sys.modules, "pyaegis._aegis_ffi", None)
+    assert not seal.available()
+    with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
+        seal.Channel(b"S" * 8, bytes(32), bytes(32))
+    # A keyed client fails at once, before any traffic, naming the extra.
+    with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
+        GeePSClient(ClusterSpec(["tcp://127.0.0.1:9"], 1, 0), timeout=1,
+                    curve=keys)

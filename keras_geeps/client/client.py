@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from keras_geeps import protocol, shm
+from keras_geeps import protocol, seal, shm
 from keras_geeps.client.access import (AccessHandle, AccessPlan,
                                        VirtualIteration)
 from keras_geeps.client.connection import CLOSED, Future, IOThread
@@ -229,6 +229,8 @@ class GeePSClient:
 
     def _connect(self, shared_memory, heartbeat_interval):
         """Opens the arena and the connections, and greets every shard."""
+        if self._curve is not None:
+            seal.require()  # keyed shards seal everything after the HELLO
         if shared_memory is None:
             shared_memory = shm.enabled_by_env() and shm.supported()
         self._arena = shm.Arena() if shared_memory else None
