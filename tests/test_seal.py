@@ -1,5 +1,6 @@
 """The sealed data channel's framing against tampering, and its speed."""
 
+import itertools
 import sys
 import time
 
@@ -23,12 +24,17 @@ def _frames():
             np.zeros((0,), np.uint8)]
 
 
+_ENDPOINTS = itertools.count()
+
+
 def _received(frames):
     """`frames` as ZeroMQ hands them to a receiver (zmq.Frame, no copy)."""
     context = zmq.Context.instance()
+    # (a closed socket's inproc name is freed asynchronously: a new name)
+    endpoint = f"inproc://test-seal-{next(_ENDPOINTS)}"
     with context.socket(zmq.PAIR) as a, context.socket(zmq.PAIR) as b:
-        a.bind("inproc://test-seal")
-        b.connect("inproc://test-seal")
+        a.bind(endpoint)
+        b.connect(endpoint)
         a.send_multipart(frames)
         return b.recv_multipart(copy=False)
 
