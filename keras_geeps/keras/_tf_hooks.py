@@ -20,9 +20,10 @@ step behind the shards, so the same function makes Keras catch them up
 wherever user code can see them between steps: `CallbackList`'s dispatch
 (before epoch / train end, evaluate / predict begin, and around train
 batches when a callback reads weights there), after `train_on_batch`, and
-in `finalize_variable_values` (the end of `fit`). Before epoch-end
-callbacks the strategy's `EpochLogAverager` (keras/epoch_logs.py) first
-replaces the epoch's logs by their mean over the workers.
+in `finalize_variable_values` (the end of `fit`). `install_fit_hooks`
+has the strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an
+epoch's logs by their mean over the workers before epoch-end callbacks,
+and the final sync run before train-end callbacks.
 """
 
 import contextlib
@@ -178,18 +179,6 @@ def _install_catch_ups():
             return _original(self, *args, **kwargs)
 
         setattr(callback_list, name, before)
-    on_epoch_end = callback_list.on_epoch_end
-
-    @functools.wraps(on_epoch_end)
-    def averaged(self, epoch, logs=None):
-        strategy = getattr(getattr(self, "_model", None),
-                           "distribute_strategy", None)
-        averager = getattr(strategy, "epoch_logs", None)
-        if averager is not None and logs is not None:
-            averager.average(logs)  # before any callback sees them
-        return on_epoch_end(self, epoch, logs)
-
-    callback_list.on_epoch_end = averaged
     for name in ("on_train_batch_begin", "on_train_batch_end"):
         original = getattr(callback_list, name)
 
@@ -213,6 +202,48 @@ def _install_catch_ups():
         return logs
 
     owner.train_on_batch = train_on_batch_caught_up
+
+
+def install_fit_hooks():
+    """Patches Keras' `CallbackList` for `fit` under a GeePS strategy:
+
+    - `on_epoch_end` first averages the logs through the trained model's
+      strategy (`strategy.epoch_logs`, when it has one), so every
+      epoch-end callback sees the workers' mean;
+    - `on_train_end` first has each `ParameterServerCallback` in the list
+      bring the weights to the shards' latest, so a callback that then sets
+      weights (`EarlyStopping(restore_best_weights=True)`) keeps them
+      wherever it stands in the list.
+
+    Idempotent; installed by every `GeePSStrategy`, whatever its options.
+    """
+    from keras_geeps.keras.callbacks import (  # noqa: PLC0415
+        ParameterServerCallback)
+    callback_list = keras.callbacks.CallbackList
+    if callback_list.__dict__.get("_geeps_fit_hooks_installed"):
+        return
+    on_epoch_end = callback_list.on_epoch_end
+    on_train_end = callback_list.on_train_end
+
+    @functools.wraps(on_epoch_end)
+    def averaged(self, epoch, logs=None):
+        strategy = getattr(getattr(self, "_model", None),
+                           "distribute_strategy", None)
+        averager = getattr(strategy, "epoch_logs", None)
+        if averager is not None and logs is not None:
+            averager.average(logs)  # before any callback sees them
+        return on_epoch_end(self, epoch, logs)
+
+    @functools.wraps(on_train_end)
+    def synced_first(self, *args, **kwargs):
+        for callback in self.callbacks:
+            if isinstance(callback, ParameterServerCallback):
+                callback.sync_before_train_end()
+        return on_train_end(self, *args, **kwargs)
+
+    callback_list.on_epoch_end = averaged
+    callback_list.on_train_end = synced_first
+    callback_list._geeps_fit_hooks_installed = True
 
 
 def _observes_batches(callback_list, reads_weights_per_batch):

@@ -30,6 +30,7 @@ class ParameterServerCallback(keras.callbacks.Callback):
         self._start = None
 
     def on_train_begin(self, logs=None):
+        self._synced = False
         if getattr(self.model, "jit_compile", False):
             self.model.jit_compile = False
             self.model.make_train_function(force=True)
@@ -55,8 +56,20 @@ class ParameterServerCallback(keras.callbacks.Callback):
                    + (now["push_seconds"] - self._start["push_seconds"]))
             / steps, 2)
 
+    def sync_before_train_end(self):
+        """Brings the weights to the shards' latest values, once per `fit`.
+
+        Keras' `CallbackList` calls it (keras/_tf_hooks) before any
+        callback's `on_train_end`: a callback that then sets weights, such
+        as `EarlyStopping(restore_best_weights=True)`, keeps them, wherever
+        it stands in the list.
+        """
+        if not getattr(self, "_synced", False):
+            self.strategy.sync()
+            self._synced = True
+
     def on_train_end(self, logs=None):
-        self.strategy.sync()
+        self.sync_before_train_end()  # (a CallbackList not patched)
 
 
 class ChiefOnly(keras.callbacks.Callback):

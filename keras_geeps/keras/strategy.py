@@ -82,12 +82,13 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             `train_on_batch`, and at the end of `fit`. Defaults to True.
         average_epoch_logs: before `fit`'s epoch-end callbacks run, replace
             each number in the epoch's logs (loss, metrics, validation
-            metrics) by its mean over the live workers, so that every
-            worker's History shows the same figures and deciding callbacks
-            (`EarlyStopping`, `ReduceLROnPlateau`, `ModelCheckpoint(
-            save_best_only=True)`) decide alike on every worker; costs a
-            one-row table read per epoch (`keras/epoch_logs.py`). Defaults
-            to True.
+            metrics) by its mean over the live workers, so that deciding
+            callbacks (`EarlyStopping`, `ReduceLROnPlateau`,
+            `ModelCheckpoint(save_best_only=True)`) decide alike on every
+            worker. Costs a barrier at every epoch end (a clock and two
+            reads of a one-row table; under SSP the slack is spent there)
+            and needs epoch ends that line up across workers
+            (`keras/epoch_logs.py`). Defaults to True.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",
@@ -106,6 +107,7 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                        capture_updates)
             self.epoch_logs = EpochLogAverager(client) \
                 if average_epoch_logs else None
+            _tf_hooks.install_fit_hooks()
         except BaseException:
             if own_client:  # its I/O thread would keep heartbeating
                 client.close()

@@ -44,6 +44,22 @@ def compile_model(model, optimizer, lr, steps_per_execution):
                   steps_per_execution=steps_per_execution)
 
 
+class WeightSums(keras.callbacks.Callback):
+    """Records a checksum of the weights at every epoch end."""
+
+    def __init__(self):
+        super().__init__()
+        self.sums = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.sums.append(weight_sum(self.model))
+
+
+def weight_sum(model):
+    return float(sum(np.square(w.astype(np.float64)).sum()
+                     for w in model.get_weights()))
+
+
 class DieAt(keras.callbacks.Callback):
     def __init__(self, step, epoch=0, code=7):
         super().__init__()
@@ -71,9 +87,12 @@ def main():
     parser.add_argument("--max-steps", type=int, default=0)
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--val-per-worker", action="store_true",
-                        help="validate on a slice of its own per worker")
+                        help="validate on a slice of its own per worker; "
+                        "worker 1's labels shuffled (its val_loss rises)")
+    parser.add_argument("--no-capture", action="store_true",
+                        help="GeePSStrategy(capture_updates=False)")
     parser.add_argument("--early-stop", action="store_true",
-                        help="EarlyStopping on val_loss after 2 epochs")
+                        help="EarlyStopping(patience=0) on val_loss")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--die-worker", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=60.0)
@@ -84,8 +103,9 @@ def main():
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
-    strategy = keras_geeps.GeePSStrategy(slack=args.slack,
-                                         timeout=args.timeout)
+    strategy = keras_geeps.GeePSStrategy(
+        slack=args.slack, timeout=args.timeout,
+        capture_updates=not args.no_capture)
     w = strategy.worker_id
     x, y = digits()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
@@ -101,21 +121,25 @@ def main():
     if args.backup_dir:
         callbacks.append(keras.callbacks.BackupAndRestore(
             os.path.join(args.backup_dir, f"worker{w}"), save_freq=4))
-    if args.early_stop:
-        callbacks.append(keras.callbacks.EarlyStopping(
-            monitor="val_loss", patience=0, min_delta=1e9,
-            restore_best_weights=True))
+    sums = WeightSums()
+    if args.early_stop:  # first: before strategy.callbacks() on purpose
+        callbacks[:0] = [keras.callbacks.EarlyStopping(
+            monitor="val_loss", patience=0, restore_best_weights=True), sums]
     if args.die_all_at:
         epoch, batch = map(int, args.die_all_at.split(":"))
         callbacks.append(DieAt(batch, epoch, code=9))
+    validation = (x[:200], y[:200]) if args.validate else None
+    if args.val_per_worker:
+        labels = y[200 * w:200 * (w + 1)]
+        if w == 1:
+            labels = np.random.default_rng(1).permutation(labels)
+        validation = (x[200 * w:200 * (w + 1)], labels)
     history = model.fit(
         strategy.distribute_dataset(ds), epochs=args.epochs, verbose=2,
-        callbacks=callbacks,
-        validation_data=(x[200 * w:200 * (w + 1)], y[200 * w:200 * (w + 1)])
-        if args.val_per_worker else (x[:200], y[:200]) if args.validate
-        else None)
+        callbacks=callbacks, validation_data=validation)
     result = {"worker": w, "history": history.history,
-              "stats": strategy.ps_stats()}
+              "stats": strategy.ps_stats(), "epoch_weight_sums": sums.sums,
+              "final_weight_sum": weight_sum(model)}
     if args.validate:
         result["evaluate"] = model.evaluate(x, y, verbose=0,
                                             return_dict=True)

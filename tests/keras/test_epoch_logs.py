@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from keras_geeps.errors import GeePSError
+from keras_geeps.keras import epoch_logs
 from keras_geeps.keras.epoch_logs import EpochLogAverager
 
 
@@ -63,16 +64,21 @@ def test_one_worker_is_left_alone(thread_cluster):
         EpochLogAverager(client).average(logs)
         assert logs == {"loss": np.float32(2.5)}
         # No table was made for it (creating one by that name works).
-        client.create_table("keras_geeps.epoch_logs.3", 1, 3, "float64")
+        client.create_table(epoch_logs.TABLE, 2, 3, "float64")
 
 
-def test_workers_with_different_keys_get_a_clear_error(thread_cluster):
+@pytest.mark.parametrize("second", [
+    {"loss": 1.0, "accuracy": 0.5},        # the same count, other keys
+    {"loss": 1.0, "auc": 0.5, "val_loss": 2.0},  # another count
+])
+def test_workers_with_different_keys_get_a_clear_error(thread_cluster,
+                                                       second):
     cluster = thread_cluster(1, 2)
     clients = [cluster.client(w, timeout=20) for w in range(2)]
 
     def epoch(w, client):
         EpochLogAverager(client).average(
-            {"loss": 1.0, ("accuracy" if w else "auc"): 0.5})
+            dict(second) if w else {"loss": 1.0, "auc": 0.5})
 
     _, errors = _on_workers(clients, epoch)
     assert len(errors) == 2
@@ -80,3 +86,70 @@ def test_workers_with_different_keys_get_a_clear_error(thread_cluster):
                for e in errors)
     for client in clients:
         client.close()
+
+
+def test_nan_and_inf_do_not_poison_later_epochs(thread_cluster):
+    cluster = thread_cluster(1, 2)
+    clients = [cluster.client(w, timeout=20) for w in range(2)]
+    sent = [  # per epoch: (worker 0's, worker 1's) value of each key
+        {"a": (1.0, float("nan")), "b": (np.inf, 2.0), "c": (3.0, 5.0)},
+        {"a": (1.0, 3.0), "b": (np.inf, -np.inf), "c": (-np.inf, 1.0)},
+        {"a": (1e12, 1e12), "b": (1.0, 2.0), "c": (1.0, 1.0)},
+        {"a": (1e-3, 2e-3), "b": (4.0, 2.0), "c": (0.5, 1.5)},
+    ]
+
+    def epochs(w, client):
+        averager, seen = EpochLogAverager(client), []
+        for values in sent:
+            logs = {k: v[w] for k, v in values.items()}
+            averager.average(logs)
+            seen.append(logs)
+        return seen
+
+    results, errors = _on_workers(clients, epochs)
+    assert not errors, errors[0]
+    expected = [{"a": np.nan, "b": np.inf, "c": 4.0},
+                {"a": 2.0, "b": np.nan, "c": -np.inf},
+                {"a": 1e12, "b": 1.5, "c": 1.0},
+                {"a": 1.5e-3, "b": 3.0, "c": 1.0}]  # 1e12 left no trace
+    for w in range(2):
+        for got, want in zip(results[w], expected):
+            for key, value in want.items():
+                np.testing.assert_allclose(got[key], value, rtol=1e-12)
+    for client in clients:
+        client.close()
+
+
+def test_nested_logs_are_flattened_and_strategies_share_the_table(
+        thread_cluster):
+    cluster = thread_cluster(1, 2)
+    clients = [cluster.client(w, timeout=20) for w in range(2)]
+
+    def epoch(w, client):
+        logs = {"loss": float(w), "out": {"out_loss": 2.0 * w}}
+        EpochLogAverager(client).average(logs)
+        again = {"loss": 4.0 * w}
+        EpochLogAverager(client).average(again)  # a second strategy's
+        return logs, again
+
+    results, errors = _on_workers(clients, epoch)
+    assert not errors, errors[0]
+    for logs, again in results.values():
+        assert logs == {"loss": 0.5, "out_loss": 1.0}
+        assert again == {"loss": 2.0}
+    for client in clients:
+        client.close()
+
+
+def test_every_strategy_installs_the_averaging(thread_cluster, monkeypatch):
+    """Also without captured updates (whose hooks install other patches)."""
+    from keras_geeps.keras import GeePSStrategy, _tf_hooks  # noqa: PLC0415
+
+    calls = []
+    monkeypatch.setattr(_tf_hooks, "install_fit_hooks",
+                        lambda: calls.append(1))
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=5),
+                             capture_updates=False)
+    assert calls == [1] and strategy.epoch_logs is not None
+    strategy.close()

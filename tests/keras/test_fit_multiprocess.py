@@ -94,20 +94,31 @@ def test_fit_features_validation_evaluate_predict_save(tmp_path):
         assert history["ps_sent_mb"][0] > 0
 
 
-def test_epoch_logs_are_averaged_so_early_stopping_agrees(tmp_path):
-    """Each worker validates on data of its own: the logs every callback
-    sees are the workers' mean, the same on both, so EarlyStopping stops
-    both after the same epoch (one stopping alone would leave the other
-    waiting for its clock) and restores the same best weights."""
-    results = _run(tmp_path, "--epochs", "5", "--val-per-worker",
-                   "--early-stop")
+@pytest.mark.parametrize("mode", [(), ("--no-capture",), ("--slack", "2")])
+def test_epoch_logs_are_averaged_so_early_stopping_agrees(tmp_path, mode):
+    """Worker 1 validates on shuffled labels (its own val_loss rises while
+    worker 0's falls), and both run EarlyStopping(patience=0) on val_loss.
+    On its own figures worker 1 would stop after epoch 2 while worker 0
+    goes on, waiting for worker 1's clocks until the timeout. The logs
+    every callback sees are the workers' mean, the same on both, so they
+    stop after the same epoch and restore the same weights: the best
+    epoch's, although EarlyStopping stands before strategy.callbacks() (whose
+    final sync runs before any train-end callback)."""
+    results = _run(tmp_path, "--epochs", "6", "--val-per-worker",
+                   "--early-stop", "--lr", "0.3", "--timeout", "30",
+                   *mode)
     (weights0, result0), (weights1, result1) = results
     history0, history1 = result0["history"], result1["history"]
-    assert len(history0["loss"]) == len(history1["loss"]) == 2
+    assert 2 <= len(history0["loss"]) == len(history1["loss"]) < 6
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
         np.testing.assert_allclose(history0[key], history1[key], rtol=1e-6)
     for a, b in zip(weights0, weights1):
         np.testing.assert_array_equal(a, b)
+    best = int(np.argmin(history0["val_loss"]))
+    for result in (result0, result1):
+        sums = result["epoch_weight_sums"]
+        assert best < len(sums) - 1  # it stopped after a worse epoch
+        assert result["final_weight_sum"] == sums[best] != sums[-1]
 
 
 def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
