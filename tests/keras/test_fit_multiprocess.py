@@ -119,6 +119,9 @@ def test_epoch_logs_are_averaged_so_early_stopping_agrees(tmp_path, mode):
         sums = result["epoch_weight_sums"]
         assert best < len(sums) - 1  # it stopped after a worse epoch
         assert result["final_weight_sum"] == sums[best] != sums[-1]
+        # ps figures come from the parameter tables, not the logs' table
+        # (clocked once per epoch): 28 steps per epoch.
+        assert result["stats"]["data_age"] >= 28 * len(sums) - 2
 
 
 def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
