@@ -230,3 +230,16 @@ def test_without_pyaegis_keys_fail_naming_the_extra(monkeypatch, tmp_path):
     with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
         GeePSClient(ClusterSpec(["tcp://127.0.0.1:9"], 1, 0), timeout=1,
                     curve=keys)
+
+
+def test_a_keyed_shard_without_pyaegis_fails_at_start(monkeypatch,
+                                                      tmp_path):
+    from keras_geeps.auth import keygen  # noqa: PLC0415
+    from keras_geeps.shard import ShardServer  # noqa: PLC0415
+
+    keygen(tmp_path, "shard")
+    (tmp_path / "allowed").mkdir()
+    monkeypatch.setitem(sys.modules, "pyaegis._aegis_ffi", None)
+    with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
+        ShardServer("tcp://127.0.0.1:0", 0, 1, 1, curve=(
+            str(tmp_path / "shard.key_secret"), str(tmp_path / "allowed")))
