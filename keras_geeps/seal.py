@@ -85,15 +85,6 @@ def require():
     _aegis()
 
 
-def available():
-    """Whether the `pyaegis` package (AEGIS) can be imported."""
-    try:
-        _aegis()
-    except ImportError:
-        return False
-    return True
-
-
 def new_session():
     """A fresh session: its routing id and one key per direction (bytes).
 
@@ -141,15 +132,14 @@ class Buffers:
         size, else a new one (kept for reuse while under `max_bytes`)."""
         if nbytes < self.MIN_BYTES:
             return aligned_empty(nbytes)
-        for array, counts in zip(self._arrays,
-                                 self._references(self._arrays)):
+        references = self._references(self._arrays)
+        for array, counts in zip(self._arrays, references):
             if counts == self._free and array.nbytes == nbytes:
                 return array
+        if self.nbytes + nbytes > self.max_bytes:  # drop the free ones
+            self._arrays = [a for a, counts in zip(self._arrays, references)
+                            if counts != self._free]
         array = aligned_empty(nbytes)
-        if self.nbytes + nbytes > self.max_bytes:
-            self._arrays = [a for a, counts in zip(
-                self._arrays, self._references(self._arrays))
-                if counts != self._free]  # drops the free ones
         if self.nbytes + nbytes <= self.max_bytes:
             self._arrays.append(array)
         return array

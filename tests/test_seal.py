@@ -223,7 +223,8 @@ def test_without_pyaegis_keys_fail_naming_the_extra(monkeypatch, tmp_path):
     keygen(tmp_path, "worker")
     keys = ClientKeys(tmp_path / "worker.key_secret", tmp_path / "shard.key")
     monkeypatch.setitem(sys.modules, "pyaegis._aegis_ffi", None)
-    assert not seal.available()
+    with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
+        seal.require()
     with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
         seal.Channel(b"S" * 8, bytes(32), bytes(32))
     # A keyed client fails at once, before any traffic, naming the extra.

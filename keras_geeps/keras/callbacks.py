@@ -28,6 +28,7 @@ class ParameterServerCallback(keras.callbacks.Callback):
         super().__init__()
         self.strategy = strategy
         self._start = None
+        self._synced = False  # this fit's final sync done
 
     def on_train_begin(self, logs=None):
         self._synced = False
@@ -64,7 +65,7 @@ class ParameterServerCallback(keras.callbacks.Callback):
         as `EarlyStopping(restore_best_weights=True)`, keeps them, wherever
         it stands in the list.
         """
-        if not getattr(self, "_synced", False):
+        if not self._synced:
             self.strategy.sync()
             self._synced = True
 

@@ -86,7 +86,7 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             callbacks (`EarlyStopping`, `ReduceLROnPlateau`,
             `ModelCheckpoint(save_best_only=True)`) decide alike on every
             worker. Costs a barrier at every epoch end (a clock and two
-            reads of a one-row table; under SSP the slack is spent there)
+            reads of a small table; under SSP the slack is spent there)
             and needs epoch ends that line up across workers
             (`keras/epoch_logs.py`). Defaults to True.
     """
