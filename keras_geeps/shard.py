@@ -317,11 +317,13 @@ def _user_id(frame):
 
 
 class _Session:
-    """A worker's sealed data session (`keras_geeps.seal`)."""
+    """A worker's sealed data session (`keras_geeps.seal`): its channel
+    and the sender that paces what goes out on it."""
 
-    def __init__(self, worker, channel):
+    def __init__(self, worker, channel, sender):
         self.worker = worker
         self.channel = channel
+        self.sender = sender
 
 
 class _SeqTracker:
@@ -407,7 +409,8 @@ class ShardServer:
                       "updates_applied": 0, "duplicates": 0, "errors": 0,
                       "pushes": 0, "checkpoints": 0, "restored_clock": -1,
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
-                      "lent_updates": 0, "sealed_in": 0, "sealed_out": 0}
+                      "lent_updates": 0, "sealed_in": 0, "sealed_out": 0,
+                      "sealed_held_back": 0}
         self._sessions = {}       # session id -> _Session (sealed data)
         self._seal_buffers = None  # seal.Buffers of every session
         self._curve_identities = {}  # worker -> its CURVE route (sealed)
@@ -468,7 +471,11 @@ class ShardServer:
         try:
             while not self._stop.is_set():
                 self._housekeeping()
-                ready = dict(poller.poll(self.settings.poll_timeout_ms))
+                pacing = self._pump_sealed()
+                ready = dict(poller.poll(
+                    0 if pacing else self.settings.poll_timeout_ms))
+                if pacing and not ready:
+                    time.sleep(seal.PACE_S)  # ZeroMQ drains meanwhile
                 for sock, dispatch in sockets:
                     if sock in ready:
                         self._drain(sock, dispatch)
@@ -632,12 +639,13 @@ class ShardServer:
         try:
             if isinstance(identity, tuple):  # ("sealed", session)
                 session = self._sessions.get(identity[1])
-                if session is not None:  # sealed copies: nothing to track
-                    self._data.send_multipart(
-                        [identity[1]] + session.channel.seal(frames),
-                        copy=False)
-                    self.stats["sealed_out"] += 1
-                return None
+                if session is None:
+                    return None
+                self.stats["sealed_out"] += 1
+                # Its frames are read until sealed: that is what to track.
+                queued = session.sender.send(frames)
+                self.stats["sealed_held_back"] += not queued.done
+                return queued if track else None
             return self._socket.send_multipart([identity] + frames,
                                                copy=False, track=track)
         except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
@@ -772,20 +780,38 @@ class ShardServer:
         replies go there from now on. Returns WELCOME's `sealed` field."""
         for old in [k for k, v in self._sessions.items()
                     if v.worker == worker]:
-            del self._sessions[old]
+            self._sessions.pop(old).sender.close()
             self._session_tokens.pop(old.hex(), None)
         keys = seal.new_session()
         if self._seal_buffers is None:  # one pool: all seal in this thread
             self._seal_buffers = seal.Buffers()
-        self._sessions[keys["session"]] = _Session(
-            worker, seal.Channel(keys["session"], keys["s2c"], keys["c2s"],
-                                 self._seal_buffers))
+        route = keys["session"]
+        channel = seal.Channel(route, keys["s2c"], keys["c2s"],
+                               self._seal_buffers)
+        self._sessions[route] = _Session(worker, channel, seal.Sender(
+            channel, lambda frames, track: self._send_sealed(route, frames,
+                                                             track)))
         token = os.urandom(16).hex()  # lets it connect (not a key)
         self._session_tokens[keys["session"].hex()] = token
         self._identities[worker] = ("sealed", keys["session"])
         port = int(self.data_address.rsplit(":", 1)[1])
         return [port, keys["session"].hex(), keys["c2s"].hex(),
                 keys["s2c"].hex(), token]
+
+    def _send_sealed(self, route, frames, track):
+        """Hands a session's sealed message to the data socket (a `Sender`
+        calls it); its tracker with `track`."""
+        try:
+            return self._data.send_multipart([route] + frames, copy=False,
+                                              track=track)
+        except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
+            log.warning("shard %d: send failed: %s", self.shard_id, exc)
+            return None
+
+    def _pump_sealed(self):
+        """Seals what the sessions' senders hold back once ZeroMQ has sent
+        enough of what went before. True while some still wait."""
+        return seal.pump_all(s.sender for s in self._sessions.values())
 
     # ------------------------------------------------------ shared memory
     def _new_table(self, table_id, spec):
@@ -1429,7 +1455,9 @@ class ShardServer:
                     shm_held=sum(sum(h.values())
                                  for h in self._holds.values()),
                     seal_buffer_bytes=(self._seal_buffers.nbytes
-                                       if self._seal_buffers else 0))
+                                       if self._seal_buffers else 0),
+                    sealed_waiting=sum(s.sender.waiting
+                                       for s in self._sessions.values()))
 
 
 def build_parser(parser=None):

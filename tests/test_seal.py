@@ -1,5 +1,6 @@
 """The sealed data channel's framing against tampering, and its speed."""
 
+import contextlib
 import itertools
 import sys
 import time
@@ -207,6 +208,111 @@ def test_the_other_directions_key_does_not_open(pair):
     worker, _ = pair
     with pytest.raises(seal.SealError, match="authenticate"):
         worker.open(worker.seal(_frames()))  # c2s sealed, s2c expected
+
+
+@contextlib.contextmanager
+def _inproc_sender(channel, in_flight):
+    """A `Sender` of `channel` on a PAIR socket over inproc, and the PAIR
+    that receives: ZeroMQ holds what is sent (no copy) until the receiver
+    has received it and let go of it."""
+    context = zmq.Context()
+    endpoint = f"inproc://test-seal-{next(_ENDPOINTS)}"
+    a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        a.bind(endpoint)
+        b.connect(endpoint)
+        yield seal.Sender(channel, lambda frames, track: a.send_multipart(
+            frames, copy=False, track=track), in_flight=in_flight), b
+    finally:
+        context.destroy(linger=0)
+
+
+def _receive(sock, channel, sender, count):
+    """`count` messages from `sock`, opened by `channel` (header bytes,
+    then float32 copies of the other frames), pumping `sender` as its
+    owner's loop would while nothing arrives."""
+    received, deadline = [], time.monotonic() + 20
+    while len(received) < count:
+        assert time.monotonic() < deadline, f"got {len(received)}"
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            sender.pump()  # as the owner's loop does every PACE_S
+            time.sleep(0.001)
+            continue
+        opened = channel.open(frames)
+        received.append([bytes(opened[0])] + [
+            o.view(np.float32).copy() for o in opened[1:]])
+        del frames, opened  # ZeroMQ lets go: the next one is sealed
+    return received
+
+
+def test_a_sender_seals_only_a_few_large_messages_ahead(pair):
+    worker, shard = pair
+    with _inproc_sender(worker, in_flight=3) as (sender, b):
+        messages = [[f"h{i}".encode(), np.full(1 << 16, i, np.float32)]
+                    for i in range(10)]  # 256 KiB each: large
+        queued = [sender.send(m) for m in messages]
+        # Three went to ZeroMQ, which holds them (nobody received them);
+        # the rest wait, unsealed, their frames still read later.
+        assert [q.done for q in queued] == [True] * 3 + [False] * 7
+        assert sender.waiting == 7 and not sender.pump()
+        # A small message waits its turn too: order is kept.
+        last = sender.send([b"small"])
+        assert not last.done and sender.waiting == 8
+        received = _receive(b, shard, sender, 11)
+        assert sender.waiting == 0 and all(q.done for q in queued + [last])
+        for (header, *rows), message in zip(received, messages):
+            assert header == message[0]
+            np.testing.assert_array_equal(rows[0], message[1])
+        assert received[-1] == [b"small"]
+
+
+def test_small_messages_are_not_held_back(pair):
+    worker, shard = pair
+    sent = []
+    sender = seal.Sender(worker, lambda frames, track: sent.append(frames),
+                         in_flight=1)
+    for i in range(50):  # no tracker for small ones: all go at once
+        assert sender.send([b"ack", np.arange(i, dtype=np.uint8)]).done
+    assert sender.waiting == 0 and len(sent) == 50
+    assert [bytes(shard.open(f)[0]) for f in sent] == [b"ack"] * 50
+
+
+def test_a_closed_sender_drops_what_waits(pair):
+    worker, _ = pair
+    with _inproc_sender(worker, in_flight=1) as (sender, _):
+        rows = np.zeros(1 << 16, np.float32)
+        queued = [sender.send([b"h", rows]) for _ in range(4)]
+        assert sender.waiting == 3 and not queued[1].done
+        sender.close()  # its session is gone: nothing reads `rows` now
+        assert sender.waiting == 0 and all(q.done for q in queued)
+        assert sender.pump()
+
+
+def test_rows_a_sender_holds_back_stay_out_of_the_shards_pool(pair):
+    """A shard retires a rows buffer with the trackers of its sends; for a
+    sealed session those are `Queued`s: the buffer is not handed out for
+    new sums while a chunk of it still waits to be sealed."""
+    from keras_geeps.shard import _BufferPool  # noqa: PLC0415
+
+    worker, shard = pair
+    pool = _BufferPool((256, 256), np.dtype(np.float32))
+    rows = pool.get()
+    rows[:] = 1.0
+    with _inproc_sender(worker, in_flight=1) as (sender, b):
+        queued = [sender.send([b"h", rows[:128]]),
+                  sender.send([b"h", rows[128:]])]
+        assert queued[0].done and not queued[1].done
+        pool.put(rows, queued)
+        other = pool.get()  # not `rows`: a chunk of it waits
+        assert not np.shares_memory(other, rows)
+        other[:] = 2.0
+        pool.put(other)
+        for _, chunk in _receive(b, shard, sender, 2):
+            np.testing.assert_array_equal(chunk, 1.0)
+        assert all(q.done for q in queued)
+        assert pool.get() is rows  # sealed and sent: reusable
 
 
 def test_module_example():

@@ -60,11 +60,16 @@ class Future:
 
 
 class _SealedLink:
-    """A shard's sealed data socket and the session's channel."""
+    """A shard's sealed data socket, the session's channel and the sender
+    that paces what goes out on it."""
 
     def __init__(self, socket, channel):
         self.socket = socket
         self.channel = channel
+        self.sender = seal.Sender(channel, self._send)
+
+    def _send(self, frames, track):
+        return self.socket.send_multipart(frames, copy=False, track=track)
 
 
 class IOThread:
@@ -228,7 +233,10 @@ class IOThread:
         next_beat = time.monotonic()
         try:
             while not self._stop:
-                events = dict(poller.poll(100))
+                pacing = self._pump_links()
+                events = dict(poller.poll(0 if pacing else 100))
+                if pacing and not events:
+                    time.sleep(seal.PACE_S)  # ZeroMQ drains meanwhile
                 if self._doorbell_in in events:
                     while True:
                         try:
@@ -274,9 +282,14 @@ class IOThread:
                               for f in frames)
         link = self._links.get(shard)
         if link is not None and kind != MsgType.HELLO:
-            link.socket.send_multipart(link.channel.seal(frames), copy=False)
+            link.sender.send(frames)
         else:
             self._sockets[shard].send_multipart(frames, copy=False)
+
+    def _pump_links(self):
+        """Seals what the links' senders hold back once ZeroMQ has sent
+        enough of what went before. True while some still wait."""
+        return seal.pump_all(link.sender for link in self._links.values())
 
     def _flush_outbox(self):
         while self._outbox:
@@ -292,7 +305,8 @@ class IOThread:
         plain_username = session
         session = bytes.fromhex(session)
         old = self._links.pop(shard, None)
-        if old is not None:
+        if old is not None:  # what it held back goes as its socket's queue
+            old.sender.close()
             self._poll_sockets.pop(old.socket, None)
             self._poller.unregister(old.socket)
             old.socket.close(linger=0)

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -43,14 +44,22 @@ def curve_cluster(keys):
     cluster.stop()
 
 
+def _run_threads(work, workers, cluster):
+    """Runs `work(w, cluster)` for each worker w in a thread of its own."""
+    threads = [threading.Thread(target=work, args=(w, cluster))
+               for w in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
     """Three keyed workers (threads) on one keyed shard process push 1 MiB
     tables for 12 clocks: the shard seals every session's rows through one
     reused buffer pool and each worker through its own, so a buffer handed
     out while still being sent would fail a tag (a dropped message, a
     stall) or change a sum."""
-    import threading  # noqa: PLC0415
-
     curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
     clocks, results, errors = 12, {}, []
 
@@ -70,16 +79,49 @@ def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
             errors.append(exc)
 
     with _keyed_cluster(keys, workers=3) as cluster:
-        threads = [threading.Thread(target=work, args=(w, cluster))
-                   for w in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        _run_threads(work, 3, cluster)
     assert not errors, errors[0]
     stats = results[0]
     assert stats["errors"] == 0 and stats["sealed_out"] >= 3 * clocks
     assert 0 < stats["seal_buffer_bytes"] <= 32 << 20
+
+
+def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
+    """Three keyed SSP workers push 8 MiB tables (four 2 MiB chunks per
+    push and session): a shard's senders hold chunks back until ZeroMQ has
+    sent earlier ones, while the workers run ahead and the clocks advance.
+    The rows buffer a waiting chunk reads must not be handed out for a
+    later clock's sums before it is sealed: every read must be whole (one
+    value, a multiple of the per-clock sum 6) and the last one exact."""
+    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    clocks, rows, width = 16, 2048, 1024
+    errors, seen, stats = [], [], []
+
+    def work(w, cluster):
+        try:
+            with cluster.client(w, timeout=60, curve=curve, slack=2,
+                                shared_memory=False) as client:
+                table = client.create_table("t", rows, width)
+                delta = np.full((rows, width), w + 1, np.float32)
+                for _ in range(clocks):
+                    got = client.read(table)
+                    seen.append((float(got.min()), float(got.max())))
+                    client.update(table, delta)
+                    client.clock()
+                final = client.read(table, clock=clocks + 2)  # slack 2
+                np.testing.assert_array_equal(final, 6.0 * clocks)
+                stats.append(client.shard_stats()[0])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with _keyed_cluster(keys, workers=3) as cluster:
+        _run_threads(work, 3, cluster)
+    assert not errors, errors[0]
+    torn = [(lo, hi) for lo, hi in seen if lo != hi or lo % 6]
+    assert not torn, f"{len(torn)} of {len(seen)} reads torn: {torn[:3]}"
+    last = max(stats, key=lambda s: s["sealed_out"])
+    assert last["sealed_held_back"] > 0  # the senders did pace
+    assert last["errors"] == 0
 
 
 def test_keyed_client_reads_and_writes(keys, curve_cluster):
