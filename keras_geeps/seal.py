@@ -47,6 +47,7 @@ b'header'
 import collections
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -61,8 +62,12 @@ SESSION_BYTES = 8
 # A `Sender` seals a session's next message only while ZeroMQ still holds
 # fewer than this many of its large sealed messages (2 MB row chunks: a
 # few ms of wire ahead), and a paced loop looks again every PACE_S seconds.
+# A sender that moved nothing for STALLED_S (a reader that stopped
+# reading) is looked at every STALLED_PACE_S instead.
 IN_FLIGHT = 3
 PACE_S = 0.0002
+STALLED_S = 0.05
+STALLED_PACE_S = 0.01
 
 
 class SealError(Exception):
@@ -315,11 +320,14 @@ class Sender:
         self.in_flight = in_flight
         self._queue = collections.deque()
         self._trackers = collections.deque()
+        self.moved = time.monotonic()  # when it last sent, or got work
 
     def send(self, frames):
         """Queues one message's plain frames and sends what it may.
         Returns the message's `Queued`."""
         queued = Queued(frames)
+        if not self._queue:
+            self.moved = time.monotonic()
         self._queue.append(queued)
         self.pump()
         return queued
@@ -337,6 +345,7 @@ class Sender:
             frames, queued.frames = queued.frames, None
             large = frame_bytes(frames[-1]).nbytes >= Buffers.MIN_BYTES
             tracker = self._send(self.channel.seal(frames), large)
+            self.moved = time.monotonic()
             if large and tracker is not None:
                 trackers.append(tracker)
         return True
@@ -355,9 +364,29 @@ class Sender:
 
 def pump_all(senders):
     """Pumps every sender with messages waiting (an owning loop's turn).
-    Returns True while some still wait: look again after PACE_S."""
-    pacing = False
+
+    Returns:
+        None when nothing waits, else the seconds until the loop should
+        pump again: PACE_S, or STALLED_PACE_S when every waiting sender
+        has moved nothing for STALLED_S (its reader stopped reading).
+    """
+    wait = None
+    stalled = time.monotonic() - STALLED_S
     for sender in senders:
         if sender.waiting and not sender.pump():
-            pacing = True
-    return pacing
+            wait = PACE_S if sender.moved > stalled else (
+                wait or STALLED_PACE_S)
+    return wait
+
+
+def poll_paced(poller, wait, timeout_ms):
+    """One turn's `poller.poll` in a loop that pumps senders: `wait` is
+    what `pump_all` returned. Returns the ready sockets (a dict)."""
+    if wait is None:
+        return dict(poller.poll(timeout_ms))
+    if wait >= 0.001:  # a stalled reader: incoming requests still wake it
+        return dict(poller.poll(min(timeout_ms, wait * 1000)))
+    ready = dict(poller.poll(0))
+    if not ready:
+        time.sleep(wait)  # ZeroMQ drains meanwhile
+    return ready

@@ -471,11 +471,8 @@ class ShardServer:
         try:
             while not self._stop.is_set():
                 self._housekeeping()
-                pacing = self._pump_sealed()
-                ready = dict(poller.poll(
-                    0 if pacing else self.settings.poll_timeout_ms))
-                if pacing and not ready:
-                    time.sleep(seal.PACE_S)  # ZeroMQ drains meanwhile
+                ready = seal.poll_paced(poller, self._pump_sealed(),
+                                        self.settings.poll_timeout_ms)
                 for sock, dispatch in sockets:
                     if sock in ready:
                         self._drain(sock, dispatch)
@@ -810,7 +807,7 @@ class ShardServer:
 
     def _pump_sealed(self):
         """Seals what the sessions' senders hold back once ZeroMQ has sent
-        enough of what went before. True while some still wait."""
+        enough of what went before (`seal.pump_all`)."""
         return seal.pump_all(s.sender for s in self._sessions.values())
 
     # ------------------------------------------------------ shared memory
@@ -1389,6 +1386,9 @@ class ShardServer:
         log.warning("shard %d: %s; continuing without it", self.shard_id,
                     error)
         self._forget_shm(worker)
+        for session in self._sessions.values():
+            if session.worker == worker:  # nothing more goes to it
+                session.sender.close()
         for table in self._tables.values():
             table.vclock[worker] = DEAD_CLOCK
             table.subscribers.discard(worker)

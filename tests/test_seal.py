@@ -290,6 +290,20 @@ def test_a_closed_sender_drops_what_waits(pair):
         assert sender.pump()
 
 
+def test_a_stalled_reader_is_looked_at_less_often(pair):
+    worker, _ = pair
+    with _inproc_sender(worker, in_flight=1) as (sender, _):
+        assert seal.pump_all([sender]) is None  # nothing waits
+        rows = np.zeros(1 << 16, np.float32)
+        for _ in range(3):
+            sender.send([b"h", rows])
+        assert seal.pump_all([sender]) == seal.PACE_S
+        time.sleep(seal.STALLED_S * 1.5)  # nobody reads: nothing moves
+        assert seal.pump_all([sender]) == seal.STALLED_PACE_S
+        sender.close()
+        assert seal.pump_all([sender]) is None
+
+
 def test_rows_a_sender_holds_back_stay_out_of_the_shards_pool(pair):
     """A shard retires a rows buffer with the trackers of its sends; for a
     sealed session those are `Queued`s: the buffer is not handed out for

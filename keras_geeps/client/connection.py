@@ -233,10 +233,7 @@ class IOThread:
         next_beat = time.monotonic()
         try:
             while not self._stop:
-                pacing = self._pump_links()
-                events = dict(poller.poll(0 if pacing else 100))
-                if pacing and not events:
-                    time.sleep(seal.PACE_S)  # ZeroMQ drains meanwhile
+                events = seal.poll_paced(poller, self._pump_links(), 100)
                 if self._doorbell_in in events:
                     while True:
                         try:
@@ -288,7 +285,7 @@ class IOThread:
 
     def _pump_links(self):
         """Seals what the links' senders hold back once ZeroMQ has sent
-        enough of what went before. True while some still wait."""
+        enough of what went before (`seal.pump_all`)."""
         return seal.pump_all(link.sender for link in self._links.values())
 
     def _flush_outbox(self):
