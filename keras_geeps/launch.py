@@ -33,10 +33,6 @@ except (OSError, AttributeError):  # not Linux
 _PR_SET_PDEATHSIG = 1
 
 
-# Tries of ShardProcess.restart on the same address.
-RESTART_ATTEMPTS = 3
-
-
 def _die_with_parent():
     """Child-side: get SIGTERM when the parent dies (Linux), so a crashed
     test or launcher never leaves shard processes behind."""
@@ -179,18 +175,10 @@ class ShardProcess:
         shard_id, num_shards, num_workers, args = self.args
         if self.data_address:  # the same sealed data address too
             args += ("--data-bind", self.data_address)
-        for attempt in range(RESTART_ATTEMPTS):
-            try:
-                return ShardProcess(shard_id, num_shards, num_workers,
-                                    args + tuple(extra_args), self.output,
-                                    bind=self.address)
-            except GeePSError:
-                # The port can be briefly taken: a worker reconnecting to
-                # a free loopback port may get it as its own source port
-                # (TCP self-connect) until ZeroMQ drops that connection.
-                if attempt == RESTART_ATTEMPTS - 1:
-                    raise
-                time.sleep(0.5)
+        # (a port briefly taken meanwhile: the shard retries its bind)
+        return ShardProcess(shard_id, num_shards, num_workers,
+                            args + tuple(extra_args), self.output,
+                            bind=self.address)
 
 
 class LocalCluster:

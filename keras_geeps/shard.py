@@ -126,6 +126,10 @@ STARTUP_GRACE_S = 60.0
 WRITER_JOIN_S = 60.0
 # The longest wait before retrying a checkpoint whose write failed.
 WRITER_BACKOFF_MAX_S = 60.0
+# How long a bind to a port in use is retried (a restarted shard's port
+# can be briefly taken: a worker reconnecting to a free loopback port may
+# get it as its own source port, TCP self-connect, until ZeroMQ drops it).
+BIND_RETRY_S = 5.0
 
 DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
 
@@ -516,7 +520,16 @@ class ShardServer:
             # buffered (room left for the header and any overhead).
             sock.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes
                             + protocol.MAX_HEADER_BYTES + frame_overhead)
-            sock.bind(address)
+            deadline = time.monotonic() + BIND_RETRY_S
+            while True:
+                try:
+                    sock.bind(address)
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE or \
+                            time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.1)
             return sock, sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         except BaseException:  # an open socket would block context.term
             sock.close(linger=0)
@@ -789,11 +802,11 @@ class ShardServer:
             channel, lambda frames, track: self._send_sealed(route, frames,
                                                              track)))
         token = os.urandom(16).hex()  # lets it connect (not a key)
-        self._session_tokens[keys["session"].hex()] = token
-        self._identities[worker] = ("sealed", keys["session"])
+        self._session_tokens[route.hex()] = token
+        self._identities[worker] = ("sealed", route)
         port = int(self.data_address.rsplit(":", 1)[1])
-        return [port, keys["session"].hex(), keys["c2s"].hex(),
-                keys["s2c"].hex(), token]
+        return [port, route.hex(), keys["c2s"].hex(), keys["s2c"].hex(),
+                token]
 
     def _send_sealed(self, route, frames, track):
         """Hands a session's sealed message to the data socket (a `Sender`

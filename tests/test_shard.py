@@ -223,3 +223,29 @@ def test_process_shard_stops_on_sigterm(process_cluster):
     shard = cluster.shards[0]
     shard.process.send_signal(15)
     assert shard.process.wait(10) == 0
+
+
+def test_a_bind_to_a_port_briefly_in_use_is_retried(monkeypatch):
+    """A restarted shard's port can be taken for a moment (a worker's
+    reconnect may get it as its own source port): the shard waits for it,
+    within BIND_RETRY_S, and fails naming the address after that."""
+    import threading  # noqa: PLC0415
+
+    from keras_geeps import shard as shard_module  # noqa: PLC0415
+
+    context = zmq.Context()
+    holder = context.socket(zmq.ROUTER)
+    holder.bind("tcp://127.0.0.1:0")
+    address = holder.getsockopt(zmq.LAST_ENDPOINT).decode()
+    try:
+        monkeypatch.setattr(shard_module, "BIND_RETRY_S", 0.3)
+        with pytest.raises(zmq.ZMQError, match="Address already in use"):
+            ShardServer(address, 0, 1, 1)
+        monkeypatch.setattr(shard_module, "BIND_RETRY_S", 10.0)
+        threading.Timer(0.5, holder.close, kwargs={"linger": 0}).start()
+        server = ShardServer(address, 0, 1, 1)
+        assert server.address == address
+        server._close()
+    finally:
+        holder.close(linger=0)
+        context.term()
