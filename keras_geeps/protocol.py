@@ -320,7 +320,7 @@ def decode(frames, max_message_bytes=MAX_MESSAGE_BYTES):
         if total > max_message_bytes:
             raise ProtocolError(f"message of more than {total} bytes exceeds "
                                 f"the limit of {max_message_bytes}")
-        buffer = frame_bytes(frame)
+        buffer = frame_view(frame)
         if buffer.nbytes != expected:
             raise ProtocolError(f"frame {index}: header says {dtype.name}"
                                 f"{list(shape)} = {expected} bytes, but "
@@ -389,7 +389,7 @@ def _frame_bytes(frame):
     return bytes(frame)
 
 
-def frame_bytes(frame):
+def frame_view(frame):
     """A flat byte view of a frame (bytes, zmq.Frame or array), no copy."""
     if hasattr(frame, "buffer"):  # zmq.Frame: zero-copy view
         return memoryview(frame.buffer).cast("B")

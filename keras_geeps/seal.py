@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 
-from keras_geeps.protocol import aligned_empty, frame_bytes
+from keras_geeps.protocol import aligned_empty, frame_view
 
 MAGIC = b"GS2"  # GS1: AES-256-GCM with 16-byte tags
 CIPHER = "aegis256x4"
@@ -212,7 +212,7 @@ class Channel:
         sealed = [MAGIC, self.session, counter.to_bytes(8, "little")]
         from_buffer = self._ffi.from_buffer
         for index, frame in enumerate(frames):
-            data = frame_bytes(frame)
+            data = frame_view(frame)
             out = self._buffers.take(data.nbytes + TAG_BYTES)
             if self._encrypt(from_buffer(out), TAG_BYTES, from_buffer(data),
                              data.nbytes, aad, len(aad),
@@ -231,13 +231,13 @@ class Channel:
             SealError: it is not a sealed message of this session, a tag
                 fails, or its counter is not above the last one opened.
         """
-        if len(frames) < 4 or bytes(frame_bytes(frames[0])) != MAGIC:
+        if len(frames) < 4 or bytes(frame_view(frames[0])) != MAGIC:
             # (a message has a header frame: with no frame nothing would
             # authenticate its counter)
             raise SealError("not a sealed message")
-        if bytes(frame_bytes(frames[1])) != self.session:
+        if bytes(frame_view(frames[1])) != self.session:
             raise SealError("a sealed message of another session")
-        counter_bytes = bytes(frame_bytes(frames[2]))
+        counter_bytes = bytes(frame_view(frames[2]))
         if len(counter_bytes) != 8:
             raise SealError("a sealed message without its counter")
         counter = int.from_bytes(counter_bytes, "little")
@@ -249,7 +249,7 @@ class Channel:
         from_buffer = self._ffi.from_buffer
         opened = []
         for index, frame in enumerate(body):
-            data = frame_bytes(frame)
+            data = frame_view(frame)
             if data.nbytes < TAG_BYTES:
                 raise SealError(f"sealed frame {index} is shorter than a tag")
             size = data.nbytes - TAG_BYTES
@@ -289,13 +289,15 @@ class Sender:
 
     Sealing all of a large reply at once keeps a core busy while ZeroMQ's
     I/O threads and the kernel, which move it, wait for one: on two cores
-    a 16 MB push+pull round trip took 15.5-16.6 ms sealed up front and
-    15.1-16.0 ms paced (plain 13.6-14.1 ms; benchmarks/RESULTS.md). A message is therefore sealed (in order) only
-    while fewer than `in_flight` large messages of this session are still
-    held by ZeroMQ; the rest wait here, and the owning loop calls `pump`
-    again every `PACE_S` while `waiting`. The plain frames of a waiting
-    message must not change (the caller's buffers stay in use until its
-    `Queued` is done, as a zero-copy send's until its tracker is).
+    a 16 MB push+pull round trip ran at 0.85-0.87 of plain sealed up front
+    and 0.88-0.90 paced (benchmarks/RESULTS.md). A message is therefore
+    sealed (in order) only while fewer than `in_flight` large messages of
+    this session are still held by ZeroMQ; the rest wait here, and the
+    owning loop pumps again as `pump_all` says (every PACE_S, or every
+    STALLED_PACE_S once the reader stopped reading). The plain frames of a
+    waiting message must not change (the caller's buffers stay in use
+    until its `Queued` is done, as a zero-copy send's until its tracker
+    is).
 
     Args:
         channel: the session's `Channel`.
@@ -343,7 +345,7 @@ class Sender:
                 return False
             queued = queue.popleft()
             frames, queued.frames = queued.frames, None
-            large = frame_bytes(frames[-1]).nbytes >= Buffers.MIN_BYTES
+            large = frame_view(frames[-1]).nbytes >= Buffers.MIN_BYTES
             tracker = self._send(self.channel.seal(frames), large)
             self.moved = time.monotonic()
             if large and tracker is not None:

@@ -1112,16 +1112,21 @@ class GeePSClient:
              for s in range(self.cluster.num_shards)], "STATS")
         return [json.loads(r.meta["stats"]) for r in replies]
 
-    def stats(self):
-        """Returns this worker's figures: bytes moved, waits, data ages."""
+    def stats(self, tables=None):
+        """Returns this worker's figures: bytes moved, waits, data ages.
+
+        Args:
+            tables: the tables whose data age (the oldest) and clock (the
+                furthest) are given. Defaults to all of this client's.
+        """
+        tables = self._tables if tables is None else tables
         return {"bytes_sent": self._io.bytes_out + self.shm_bytes_out,
                 "bytes_received": self._io.bytes_in + self.shm_bytes_in,
                 "shm_bytes_sent": self.shm_bytes_out,
                 "shm_bytes_received": self.shm_bytes_in,
                 "wait_seconds": self.wait_seconds,
-                "data_age": min((t.data_age for t in self._tables),
-                                default=0),
-                "clock": max((t.clock for t in self._tables), default=0)}
+                "data_age": min((t.data_age for t in tables), default=0),
+                "clock": max((t.clock for t in tables), default=0)}
 
     def _timeout_error(self, table, parts, required):
         lines = []

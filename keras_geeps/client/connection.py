@@ -302,7 +302,8 @@ class IOThread:
         plain_username = session
         session = bytes.fromhex(session)
         old = self._links.pop(shard, None)
-        if old is not None:  # what it held back goes as its socket's queue
+        if old is not None:  # what it held back is dropped, as is its
+            # socket's queue (recovery resends what matters)
             old.sender.close()
             self._poll_sockets.pop(old.socket, None)
             self._poller.unregister(old.socket)

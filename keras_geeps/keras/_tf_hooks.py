@@ -156,10 +156,14 @@ _CATCH_UP_BEFORE = ("on_epoch_end", "on_train_end", "on_test_begin",
 
 
 def _install_catch_ups():
-    """Patches Keras where user code sees the weights between steps."""
+    """Patches Keras where user code sees the weights between steps (each
+    a no-op while no sync captures updates). Idempotent."""
     from keras_geeps.keras.callbacks import (  # noqa: PLC0415
         reads_weights_per_batch)
     optimizer = keras.optimizers.Optimizer
+    if optimizer.__dict__.get("_geeps_catch_ups_installed"):
+        return
+    optimizer._geeps_catch_ups_installed = True
     finalize = optimizer.finalize_variable_values
 
     @functools.wraps(finalize)
@@ -215,13 +219,17 @@ def install_fit_hooks():
       weights (`EarlyStopping(restore_best_weights=True)`) keeps them
       wherever it stands in the list.
 
-    Idempotent; installed by every `GeePSStrategy`, whatever its options.
+    Both wrap the catch-ups of captured updates (`_install_catch_ups`,
+    installed here first), so the order is the same whichever strategy
+    came first: average, sync, catch up, then the callbacks. Idempotent;
+    installed by every `GeePSStrategy`, whatever its options.
     """
     from keras_geeps.keras.callbacks import (  # noqa: PLC0415
         ParameterServerCallback)
     callback_list = keras.callbacks.CallbackList
     if callback_list.__dict__.get("_geeps_fit_hooks_installed"):
         return
+    _install_catch_ups()
     on_epoch_end = callback_list.on_epoch_end
     on_train_end = callback_list.on_train_end
 

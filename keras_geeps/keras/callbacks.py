@@ -70,7 +70,7 @@ class ParameterServerCallback(keras.callbacks.Callback):
             self._synced = True
 
     def on_train_end(self, logs=None):
-        self.sync_before_train_end()  # (a CallbackList not patched)
+        self.sync_before_train_end()  # (called directly, not by fit)
 
 
 class ChiefOnly(keras.callbacks.Callback):

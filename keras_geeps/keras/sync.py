@@ -600,11 +600,8 @@ class ParameterSync:
         """This worker's parameter-server figures (data age and clock: of
         the parameter tables, not of other tables the client holds, such
         as the epoch logs')."""
-        figures = self.client.stats()
-        if self.tables:
-            figures.update(
-                data_age=min(layer.table.data_age for layer in self.tables),
-                clock=max(layer.table.clock for layer in self.tables))
+        figures = self.client.stats(
+            [layer.table for layer in self.tables] or None)
         figures.update(pull_wait_seconds=self.pull_wait_seconds,
                        pull_seconds=self.pull_seconds,
                        push_seconds=self.push_seconds, steps=self.steps,
