@@ -1,4 +1,5 @@
-"""The sealed data channel's framing against tampering, and its speed."""
+"""The sealed data channel: framing against tampering, reused buffers,
+paced sending."""
 
 import contextlib
 import itertools
@@ -28,14 +29,20 @@ def _frames():
 _ENDPOINTS = itertools.count()
 
 
-def _received(frames):
-    """`frames` as ZeroMQ hands them to a receiver (zmq.Frame, no copy)."""
-    context = zmq.Context.instance()
+def _inproc_pair(context):
+    """Two connected PAIR sockets over inproc (sender, receiver)."""
     # (a closed socket's inproc name is freed asynchronously: a new name)
     endpoint = f"inproc://test-seal-{next(_ENDPOINTS)}"
-    with context.socket(zmq.PAIR) as a, context.socket(zmq.PAIR) as b:
-        a.bind(endpoint)
-        b.connect(endpoint)
+    a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    a.bind(endpoint)
+    b.connect(endpoint)
+    return a, b
+
+
+def _received(frames):
+    """`frames` as ZeroMQ hands them to a receiver (zmq.Frame, no copy)."""
+    a, b = _inproc_pair(zmq.Context.instance())
+    with a, b:
         a.send_multipart(frames)
         return b.recv_multipart(copy=False)
 
@@ -216,11 +223,8 @@ def _inproc_sender(channel, in_flight):
     that receives: ZeroMQ holds what is sent (no copy) until the receiver
     has received it and let go of it."""
     context = zmq.Context()
-    endpoint = f"inproc://test-seal-{next(_ENDPOINTS)}"
-    a, b = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
     try:
-        a.bind(endpoint)
-        b.connect(endpoint)
+        a, b = _inproc_pair(context)
         yield seal.Sender(channel, lambda frames, track: a.send_multipart(
             frames, copy=False, track=track), in_flight=in_flight), b
     finally:

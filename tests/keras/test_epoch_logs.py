@@ -1,39 +1,18 @@
 """Epoch logs averaged over workers through a shard table (real shards)."""
 
-import threading
-
 import numpy as np
 import pytest
 
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import epoch_logs
 from keras_geeps.keras.epoch_logs import EpochLogAverager
-
-
-def _on_workers(clients, fn):
-    """Runs fn(worker, client) on every client at once; returns results."""
-    results, errors = {}, []
-
-    def run(w, client):
-        try:
-            results[w] = fn(w, client)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(w, c))
-               for w, c in enumerate(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results, errors
+from tests.worker_threads import run_clients, run_worker_threads
 
 
 def test_every_worker_gets_the_mean_of_each_epoch(thread_cluster):
     cluster = thread_cluster(2, 3)
-    clients = [cluster.client(w, timeout=20) for w in range(3)]
 
-    def epochs(w, client):
+    def epochs(client, w):
         averager = EpochLogAverager(client)
         seen = []
         for epoch in range(3):
@@ -44,8 +23,7 @@ def test_every_worker_gets_the_mean_of_each_epoch(thread_cluster):
             seen.append(logs)
         return seen
 
-    results, errors = _on_workers(clients, epochs)
-    assert not errors, errors[0]
+    results = run_clients(cluster, epochs, timeout=20)
     for epoch in range(3):
         for w in range(3):
             logs = results[w][epoch]
@@ -53,8 +31,6 @@ def test_every_worker_gets_the_mean_of_each_epoch(thread_cluster):
             assert logs["val_accuracy"] == pytest.approx(0.6)
             assert logs["steps"] == pytest.approx(1.0)
             assert logs["note"] == "text"  # not a number: left alone
-    for client in clients:
-        client.close()
 
 
 def test_one_worker_is_left_alone(thread_cluster):
@@ -74,23 +50,20 @@ def test_one_worker_is_left_alone(thread_cluster):
 def test_workers_with_different_keys_get_a_clear_error(thread_cluster,
                                                        second):
     cluster = thread_cluster(1, 2)
-    clients = [cluster.client(w, timeout=20) for w in range(2)]
 
-    def epoch(w, client):
-        EpochLogAverager(client).average(
-            dict(second) if w else {"loss": 1.0, "auc": 0.5})
+    def epoch(w):
+        with cluster.client(w, timeout=20) as client:
+            EpochLogAverager(client).average(
+                dict(second) if w else {"loss": 1.0, "auc": 0.5})
 
-    _, errors = _on_workers(clients, epoch)
+    _, errors = run_worker_threads(2, epoch)
     assert len(errors) == 2
     assert all(isinstance(e, GeePSError) and "different keys" in str(e)
                for e in errors)
-    for client in clients:
-        client.close()
 
 
 def test_nan_and_inf_do_not_poison_later_epochs(thread_cluster):
     cluster = thread_cluster(1, 2)
-    clients = [cluster.client(w, timeout=20) for w in range(2)]
     sent = [  # per epoch: (worker 0's, worker 1's) value of each key
         {"a": (1.0, float("nan")), "b": (np.inf, 2.0), "c": (3.0, 5.0)},
         {"a": (1.0, 3.0), "b": (np.inf, -np.inf), "c": (-np.inf, 1.0)},
@@ -98,7 +71,7 @@ def test_nan_and_inf_do_not_poison_later_epochs(thread_cluster):
         {"a": (1e-3, 2e-3), "b": (4.0, 2.0), "c": (0.5, 1.5)},
     ]
 
-    def epochs(w, client):
+    def epochs(client, w):
         averager, seen = EpochLogAverager(client), []
         for values in sent:
             logs = {k: v[w] for k, v in values.items()}
@@ -106,8 +79,7 @@ def test_nan_and_inf_do_not_poison_later_epochs(thread_cluster):
             seen.append(logs)
         return seen
 
-    results, errors = _on_workers(clients, epochs)
-    assert not errors, errors[0]
+    results = run_clients(cluster, epochs, timeout=20)
     expected = [{"a": np.nan, "b": np.inf, "c": 4.0},
                 {"a": 2.0, "b": np.nan, "c": -np.inf},
                 {"a": 1e12, "b": 1.5, "c": 1.0},
@@ -116,29 +88,23 @@ def test_nan_and_inf_do_not_poison_later_epochs(thread_cluster):
         for got, want in zip(results[w], expected):
             for key, value in want.items():
                 np.testing.assert_allclose(got[key], value, rtol=1e-12)
-    for client in clients:
-        client.close()
 
 
 def test_nested_logs_are_flattened_and_strategies_share_the_table(
         thread_cluster):
     cluster = thread_cluster(1, 2)
-    clients = [cluster.client(w, timeout=20) for w in range(2)]
 
-    def epoch(w, client):
+    def epoch(client, w):
         logs = {"loss": float(w), "out": {"out_loss": 2.0 * w}}
         EpochLogAverager(client).average(logs)
         again = {"loss": 4.0 * w}
         EpochLogAverager(client).average(again)  # a second strategy's
         return logs, again
 
-    results, errors = _on_workers(clients, epoch)
-    assert not errors, errors[0]
+    results = run_clients(cluster, epoch, timeout=20)
     for logs, again in results.values():
         assert logs == {"loss": 0.5, "out_loss": 1.0}
         assert again == {"loss": 2.0}
-    for client in clients:
-        client.close()
 
 
 def test_every_strategy_installs_the_averaging(thread_cluster, monkeypatch):
@@ -153,3 +119,23 @@ def test_every_strategy_installs_the_averaging(thread_cluster, monkeypatch):
                              capture_updates=False)
     assert calls == [1] and strategy.epoch_logs is not None
     strategy.close()
+
+
+def test_the_fit_hooks_wrap_the_catch_ups():
+    """Whichever strategy came first (capture on or off), `fit` averages
+    the logs and syncs before captured updates are caught up, then the
+    callbacks run: the patches stack in one order."""
+    import keras  # noqa: PLC0415
+
+    from keras_geeps.keras import _tf_hooks  # noqa: PLC0415
+
+    _tf_hooks.install_fit_hooks()
+    _tf_hooks.install_fit_hooks()  # idempotent
+    assert keras.optimizers.Optimizer.__dict__.get(
+        "_geeps_catch_ups_installed")
+    callback_list = keras.callbacks.CallbackList
+    for name, outer in (("on_epoch_end", "averaged"),
+                        ("on_train_end", "synced_first")):
+        method = getattr(callback_list, name)
+        assert method.__code__.co_name == outer
+        assert method.__wrapped__.__code__.co_name == "before"

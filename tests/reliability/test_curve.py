@@ -1,8 +1,8 @@
 """CURVE: keyed clients work; unkeyed and wrongly keyed ones are refused."""
 
+import json
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -13,6 +13,7 @@ from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSTimeoutError
 from keras_geeps.launch import LocalCluster
+from tests.worker_threads import run_worker_threads
 
 
 @pytest.fixture
@@ -27,11 +28,16 @@ def keys(tmp_path):
     return tmp_path
 
 
-def _keyed_cluster(keys, tmp_path=None, workers=1, checkpoint=False):
+def _worker_keys(keys, name="worker"):
+    """The client keys of `name` (its secret, the shard's public key)."""
+    return ClientKeys(keys / f"{name}.key_secret", keys / "shard.key")
+
+
+def _keyed_cluster(keys, workers=1, checkpoint=False):
     args = ["--curve-secret-key", str(keys / "shard.key_secret"),
             "--curve-allowed-clients", str(keys / "allowed")]
     if checkpoint:
-        args += ["--checkpoint-dir", str(tmp_path / "ckpt"),
+        args += ["--checkpoint-dir", str(keys / "ckpt"),
                  "--checkpoint-every", "2"]
     return LocalCluster(1, workers, processes=True, output=sys.stderr,
                         shard_args=args)
@@ -44,23 +50,13 @@ def curve_cluster(keys):
     cluster.stop()
 
 
-def _run_threads(work, workers, cluster):
-    """Runs `work(w, cluster)` for each worker w in a thread of its own."""
-    threads = [threading.Thread(target=work, args=(w, cluster))
-               for w in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
 def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
     """Three keyed workers (threads) on one keyed shard process push 1 MiB
     tables for 12 clocks: the shard seals every session's rows through one
     reused buffer pool and each worker through its own, so a buffer handed
     out while still being sent would fail a tag (a dropped message, a
     stall) or change a sum."""
-    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    curve = _worker_keys(keys)
     clocks, results, errors = 12, {}, []
 
     def work(w, cluster):
@@ -79,7 +75,7 @@ def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
             errors.append(exc)
 
     with _keyed_cluster(keys, workers=3) as cluster:
-        _run_threads(work, 3, cluster)
+        run_worker_threads(3, lambda w: work(w, cluster))
     assert not errors, errors[0]
     stats = results[0]
     assert stats["errors"] == 0 and stats["sealed_out"] >= 3 * clocks
@@ -93,7 +89,7 @@ def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
     The rows buffer a waiting chunk reads must not be handed out for a
     later clock's sums before it is sealed: every read must be whole (one
     value, a multiple of the per-clock sum 6) and the last one exact."""
-    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    curve = _worker_keys(keys)
     clocks, rows, width = 16, 2048, 1024
     errors, seen, stats = [], [], []
 
@@ -115,7 +111,7 @@ def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
             errors.append(exc)
 
     with _keyed_cluster(keys, workers=3) as cluster:
-        _run_threads(work, 3, cluster)
+        run_worker_threads(3, lambda w: work(w, cluster))
     assert not errors, errors[0]
     torn = [(lo, hi) for lo, hi in seen if lo != hi or lo % 6]
     assert not torn, f"{len(torn)} of {len(seen)} reads torn: {torn[:3]}"
@@ -125,7 +121,7 @@ def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
 
 
 def test_keyed_client_reads_and_writes(keys, curve_cluster):
-    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    curve = _worker_keys(keys)
     with curve_cluster.client(0, timeout=10, curve=curve) as client:
         table = client.create_table("t", 3, 4, init=np.ones((3, 4)))
         client.update(table, np.ones((3, 4), np.float32))
@@ -135,8 +131,7 @@ def test_keyed_client_reads_and_writes(keys, curve_cluster):
 
 @pytest.mark.parametrize("who", ["unkeyed", "stranger"])
 def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
-    curve = None if who == "unkeyed" else ClientKeys(
-        keys / "stranger.key_secret", keys / "shard.key")
+    curve = None if who == "unkeyed" else _worker_keys(keys, "stranger")
     spec = ClusterSpec(curve_cluster.addresses, 1, 0)
     with pytest.raises(GeePSTimeoutError,
                        match="did not answer HELLO.*CURVE"):
@@ -146,7 +141,7 @@ def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
 
 
 def test_everything_after_hello_travels_sealed(keys, curve_cluster):
-    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    curve = _worker_keys(keys)
     with curve_cluster.client(0, timeout=10, curve=curve,
                               shared_memory=False,
                               heartbeat_interval=0) as client:
@@ -164,12 +159,12 @@ def test_everything_after_hello_travels_sealed(keys, curve_cluster):
     assert 1 << 20 <= stats["seal_buffer_bytes"] <= 32 << 20
 
 
-def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
+def test_strangers_on_the_data_socket_get_nothing(keys, curve_cluster):
     import zmq  # noqa: PLC0415
 
-    from keras_geeps import protocol, seal  # noqa: PLC0415
+    from keras_geeps import protocol  # noqa: PLC0415
 
-    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    curve = _worker_keys(keys)
     with curve_cluster.client(0, timeout=10, curve=curve) as client:
         table = client.create_table("t", 4, 4)
         link = client._io._links[0]
@@ -178,7 +173,6 @@ def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
         before = client.shard_stats()[0]["messages_in"]
         context = zmq.Context()
         rng = np.random.default_rng(0)
-        guessed = seal.Channel(session, b"k" * 32, b"k" * 32)
 
         def peer(routing_id=None, credentials=True):
             sock = context.socket(zmq.DEALER)
@@ -196,12 +190,10 @@ def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
             hijacker = peer(routing_id=session)  # its id is taken: refused
             sniffer = peer()  # token but no keys, another id
             time.sleep(0.5)
-            for i in range(300):
+            for _ in range(300):
                 frames = [bytes(rng.integers(0, 256, rng.integers(0, 64),
                                              np.uint8))
                           for _ in range(rng.integers(1, 5))]
-                if i % 3 == 0:  # sealed with a guessed key
-                    frames = guessed.seal(frames)
                 for sock in (stranger, hijacker, sniffer):
                     try:
                         sock.send_multipart(frames, zmq.NOBLOCK)
@@ -225,13 +217,79 @@ def test_forged_and_random_sealed_traffic_is_dropped(keys, curve_cluster):
         assert stats["messages_in"] - before <= 300 + 20
 
 
+def test_forged_messages_in_a_live_session_are_dropped(keys, curve_cluster):
+    """A session driven by hand (HELLO over CURVE, then the sealed data
+    socket): messages sealed with a guessed key, replayed, tampered with or
+    cut short are dropped, each counted as an error and none answered,
+    while the session's own requests before and after are served."""
+    import zmq  # noqa: PLC0415
+
+    from keras_geeps import protocol, seal  # noqa: PLC0415
+    from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
+
+    shard = curve_cluster.shards[0]
+    context = zmq.Context()
+    try:
+        main = context.socket(zmq.DEALER)
+        main.setsockopt(zmq.LINGER, 0)
+        _worker_keys(keys).apply(main, 0)
+        main.connect(shard.address)
+        main.send_multipart(protocol.encode(Message(
+            MsgType.HELLO, worker=0, seq=1, meta={
+                "num_workers": 1, "num_shards": 1, "incarnation": 0})))
+        assert main.poll(10000), "no WELCOME"
+        welcome = protocol.decode(main.recv_multipart())
+        port, session, c2s, s2c, token = welcome.meta["sealed"]
+        data = context.socket(zmq.DEALER)
+        data.setsockopt(zmq.LINGER, 0)
+        data.setsockopt(zmq.ROUTING_ID, bytes.fromhex(session))
+        data.plain_username, data.plain_password = (session.encode(),
+                                                    token.encode())
+        data.connect(f"{shard.address.rsplit(':', 1)[0]}:{port}")
+        channel = seal.Channel(bytes.fromhex(session), bytes.fromhex(c2s),
+                               bytes.fromhex(s2c))
+        seqs = iter(range(2, 10 ** 6))
+
+        def stats_request(sealer=channel):
+            return [bytes(f) for f in sealer.seal(protocol.encode(Message(
+                MsgType.STATS, worker=0, seq=next(seqs))))]
+
+        def answers():
+            got = []
+            while data.poll(500):
+                got.append(protocol.decode(channel.open(
+                    data.recv_multipart(copy=False))))
+            return got
+
+        def errors():
+            data.send_multipart(stats_request())
+            (reply,) = answers()
+            return json.loads(reply.meta["stats"])["errors"]
+
+        before = errors()
+        guessed = seal.Channel(bytes.fromhex(session), b"k" * 32, b"k" * 32)
+        replayed = stats_request()
+        data.send_multipart(replayed)
+        assert len(answers()) == 1
+        forged = [stats_request(guessed), replayed]
+        tampered = stats_request()
+        tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
+        forged += [tampered, stats_request()[:-1]]  # a tag off, a frame cut
+        for frames in forged * 25:
+            data.send_multipart(frames)
+        assert answers() == []  # nothing forged is answered
+        assert errors() == before + len(forged) * 25
+    finally:
+        context.destroy(linger=0)
+
+
 @pytest.mark.parametrize("same_data_port", [True, False])
 def test_a_restarted_curve_shard_recovers_with_nothing_lost(
-        keys, tmp_path, same_data_port):
+        keys, same_data_port):
     from keras_geeps.launch import ShardProcess  # noqa: PLC0415
 
-    cluster = _keyed_cluster(keys, tmp_path, checkpoint=True)
-    curve = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+    cluster = _keyed_cluster(keys, checkpoint=True)
+    curve = _worker_keys(keys)
     try:
         with cluster.client(0, timeout=20, curve=curve,
                             heartbeat_interval=0.2) as client:
@@ -243,14 +301,17 @@ def test_a_restarted_curve_shard_recovers_with_nothing_lost(
                 if clk == 6:
                     old = cluster.shards[0]
                     old.kill()
-                    if same_data_port:  # as the launcher restarts one
+                    # As the launcher restarts one (the same data port), or
+                    # by hand without --data-bind: a new data port, which
+                    # the CURVE heartbeat tells the worker.
+                    if same_data_port:
                         cluster.shards[0] = old.restart(["--restore"])
-                    else:  # by hand, without --data-bind: a new data
-                        cluster.shards[0] = ShardProcess(  # port; the
-                            0, 1, 1, [*old.args[3], "--restore"],  # CURVE
-                            output=sys.stderr, bind=old.address)  # heartbeat
+                    else:
+                        cluster.shards[0] = ShardProcess(
+                            *old.args[:3], [*old.args[3], "--restore"],
+                            output=sys.stderr, bind=old.address)
                         assert cluster.shards[0].data_address != \
-                            old.data_address  # tells the worker
+                            old.data_address
             np.testing.assert_array_equal(client.read(table, clock=10),
                                           10.0)
             stats = client.shard_stats()[0]
@@ -259,19 +320,16 @@ def test_a_restarted_curve_shard_recovers_with_nothing_lost(
         cluster.stop()
 
 
-def test_a_session_speaks_for_its_own_worker_only(keys, tmp_path):
+def test_a_session_speaks_for_its_own_worker_only(keys):
+    from keras_geeps.client.connection import Future  # noqa: PLC0415
     from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
 
-    (keys / "allowed" / "stranger.key").write_bytes(
-        (keys / "stranger.key").read_bytes())
     cluster = _keyed_cluster(keys, workers=2)
     try:
-        mine = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+        mine = _worker_keys(keys)
         with cluster.client(0, timeout=10, curve=mine) as client:
             errors = []
-            future = __import__(
-                "keras_geeps.client.connection",
-                fromlist=["Future"]).Future(lambda m, e: errors.append(e))
+            future = Future(lambda m, e: errors.append(e))
             message = Message(MsgType.STATS, worker=1, seq=10 ** 6)
             client._io.send(0, message, future)
             assert future.event.wait(10)
@@ -310,14 +368,14 @@ def test_a_key_named_for_a_worker_speaks_for_that_worker_only(keys):
     cluster = _keyed_cluster(keys, workers=2)
     try:
         spec = ClusterSpec(cluster.addresses, 2, 1)
-        zero = ClientKeys(keys / "worker0.key_secret", keys / "shard.key")
+        zero = _worker_keys(keys, "worker0")
         with pytest.raises(GeePSServerError,
                            match="bound to worker 0.*as worker 1"):
             GeePSClient(spec, timeout=10, curve=zero)
-        one = ClientKeys(keys / "worker1.key_secret", keys / "shard.key")
+        one = _worker_keys(keys, "worker1")
         GeePSClient(spec, timeout=10, curve=one).close()  # welcomed
         # An unbound allowed key (allowed/worker.key) may be any worker.
-        anyone = ClientKeys(keys / "worker.key_secret", keys / "shard.key")
+        anyone = _worker_keys(keys)
         for worker in (0, 1):
             GeePSClient(ClusterSpec(cluster.addresses, 2, worker),
                         timeout=10, curve=anyone).close()
