@@ -3,7 +3,8 @@
 `serve ADDRESS MODE` echoes; `ask ADDRESS MODE` prints the median round
 trip in ms over 20 runs. MODE: `plain`; `curve` (libzmq's CURVE encrypts
 every frame); `sealed` (no CURVE; each message sealed by keras_geeps's data
-channel, `keras_geeps.seal.Channel`, as a CURVE-keyed job's data travels).
+channel, `keras_geeps.seal.Channel`, as a CURVE-keyed job's data travels,
+though sealed up front: without `seal.Sender`'s pacing).
 """
 
 import statistics
@@ -20,7 +21,7 @@ CHUNK, TOTAL = 2 << 20, 16 << 20
 # benchmark only).
 PUBLIC = b"qy#Ag*hQgz5X(s5!fFE/oLKL#!S6pyKtq{24*lzI"
 SECRET = b"!kfyYERMcTK[+NYNg?Kx&bej^n*sk=tI*=Km%.A0"
-SESSION, C2S, S2C = b"Sbench!", bytes(range(32)), bytes(range(32, 64))
+SESSION, C2S, S2C = b"Sbench!!", bytes(range(32)), bytes(range(32, 64))
 
 
 def channel(role, mode):
@@ -31,22 +32,34 @@ def channel(role, mode):
     return seal.Channel(SESSION, C2S, S2C)
 
 
+def _chunks(array):
+    """The CHUNK-sized views of a TOTAL-byte array, in order."""
+    return [array[k:k + CHUNK] for k in range(0, TOTAL, CHUNK)]
+
+
+def _framed(sealer, part):
+    """The frames that carry `part` (sealed, with a sealer)."""
+    return sealer.seal([part]) if sealer else [part]
+
+
+def _body(sealer, frames):
+    """The chunk that received `frames` carry (opened, with a sealer)."""
+    return sealer.open(frames)[0] if sealer else frames[0].buffer
+
+
 def serve(sock, mode):
     rows = np.zeros(TOTAL, np.uint8)
     into = np.empty(TOTAL, np.uint8)
     sealer = channel("serve", mode)
     while True:
-        for k in range(TOTAL // CHUNK):
+        for dest in _chunks(into):
             ident, *frames = sock.recv_multipart(copy=False)
             if len(frames[-1]) == 1:
                 return
-            body = sealer.open(frames)[0] if sealer else frames[0].buffer
-            into[k * CHUNK:(k + 1) * CHUNK] = body
-        for k in range(TOTAL // CHUNK):
-            part = rows[k * CHUNK:(k + 1) * CHUNK]
-            sock.send_multipart(
-                [ident.bytes] + (sealer.seal([part]) if sealer else [part]),
-                copy=False)
+            dest[:] = _body(sealer, frames)
+        for part in _chunks(rows):
+            sock.send_multipart([ident.bytes] + _framed(sealer, part),
+                                copy=False)
 
 
 def ask(sock, mode):
@@ -54,14 +67,10 @@ def ask(sock, mode):
     sealer, times = channel("ask", mode), []
     for i in range(22):
         started = time.perf_counter()
-        for k in range(TOTAL // CHUNK):
-            part = data[k * CHUNK:(k + 1) * CHUNK]
-            sock.send_multipart(sealer.seal([part]) if sealer else [part],
-                                copy=False)
-        for k in range(TOTAL // CHUNK):
-            frames = sock.recv_multipart(copy=False)
-            body = sealer.open(frames)[0] if sealer else frames[0].buffer
-            out[k * CHUNK:(k + 1) * CHUNK] = body
+        for part in _chunks(data):
+            sock.send_multipart(_framed(sealer, part), copy=False)
+        for dest in _chunks(out):
+            dest[:] = _body(sealer, sock.recv_multipart(copy=False))
         if i >= 2:
             times.append(time.perf_counter() - started)
     sock.send(b"x")

@@ -98,6 +98,12 @@ def kill_restart_cycles(cycles, clocks_per_cycle, workers=4):
     return len(recoveries), int(lost), int(duplicated), recoveries
 
 
+def _curve_shard_args(curve_dir):
+    """A keyed shard's flags, with the keys `main` writes to `curve_dir`."""
+    return ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
+            "--curve-allowed-clients", f"{curve_dir}/allowed"]
+
+
 def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=40):
     """Median push+pull round trip of a `nbytes` table, plain and sealed.
 
@@ -108,8 +114,7 @@ def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=40):
     rows = nbytes // 4096
     keys = ClientKeys(f"{curve_dir}/worker.key_secret",
                       f"{curve_dir}/shard.key")
-    curve_args = ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
-                  "--curve-allowed-clients", f"{curve_dir}/allowed"]
+    curve_args = _curve_shard_args(curve_dir)
     with contextlib.ExitStack() as stack:
         runs = []
         for shard_args, curve in (([], None), (curve_args, keys)):
@@ -137,8 +142,7 @@ def fit_images_per_s(curve_dir, rounds=2):
     `rounds` runs taken in turn (plain, CURVE, plain, ...)."""
     import fit_bench  # noqa: PLC0415 (benchmarks/ is on sys.path)
     args = argparse.Namespace(steps=40, batch=128, steps_per_execution=1)
-    curve_args = ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
-                  "--curve-allowed-clients", f"{curve_dir}/allowed"]
+    curve_args = _curve_shard_args(curve_dir)
     figures = ([], [])
     saved = os.environ.get(shm.ENV_SWITCH)
     os.environ[shm.ENV_SWITCH] = "0"  # workers inherit it
