@@ -29,7 +29,10 @@ live only in the two processes' memory, and a new session (every HELLO)
 gets new ones, so no (key, nonce) pair is ever used twice.
 
 A received frame is opened in place, where ZeroMQ put it (as plain frames
-are used where they arrive); sealing writes into buffers reused once
+are used where they arrive), or where its reader wants the rows
+(`Channel.open(defer=True)` and `SealedFrame`: a worker opens a push that
+a read waits for straight into the read's buffer, so the cipher's pass is
+also the copy that would follow); sealing writes into buffers reused once
 ZeroMQ has let go of them (`Buffers`: one pool per thread, at most 32 MiB
 kept), and only a few large messages ahead of the wire (`Sender`): sealing
 a whole 16 MB reply at once keeps a core from the copies that move it.
@@ -221,11 +224,19 @@ class Channel:
             sealed.append(out)
         return sealed
 
-    def open(self, frames):
+    def open(self, frames, defer=False):
         """The plain frames of a sealed message: uint8 arrays, each in
         place in its sealed frame when that is a received `zmq.Frame`
         (whose sealed bytes are then gone), else in a new 64-byte aligned
         buffer.
+
+        Args:
+            frames: the received frames.
+            defer: if True, only the header frame (the first) is opened
+                (and with it the counter checked and taken); the others come
+                back as `SealedFrame`s, for the caller to open where their
+                rows are wanted. Each still opens only with its own tag.
+                Defaults to False.
 
         Raises:
             SealError: it is not a sealed message of this session, a tag
@@ -246,26 +257,92 @@ class Channel:
                             f" a replayed or reordered message")
         body = frames[3:]
         aad = self._aad(counter, len(body))
-        from_buffer = self._ffi.from_buffer
-        opened = []
-        for index, frame in enumerate(body):
-            data = frame_view(frame)
-            if data.nbytes < TAG_BYTES:
-                raise SealError(f"sealed frame {index} is shorter than a tag")
-            size = data.nbytes - TAG_BYTES
-            # In place in a received ZeroMQ frame (ours alone), as plain
-            # frames are used where they arrived; else into a new buffer.
-            out = np.frombuffer(data, np.uint8, size) if hasattr(
-                frame, "buffer") and not data.readonly else aligned_empty(size)
-            if self._decrypt(from_buffer(out, require_writable=True),
-                             from_buffer(data), data.nbytes, TAG_BYTES, aad,
-                             len(aad), self._nonce(counter, index),
-                             self._receive_key):
-                raise SealError(f"sealed frame {index} does not "
-                                f"authenticate")
-            opened.append(out)
+        sealed = [SealedFrame(self, aad, self._nonce(counter, index), index,
+                              frame) for index, frame in enumerate(body)]
+        opened = [sealed[0].open()] + (
+            sealed[1:] if defer else [frame.open() for frame in sealed[1:]])
         self.received = counter
         return opened
+
+
+class SealedFrame:
+    """One received frame of a sealed message, not opened yet.
+
+    `open` opens it in place (once; later calls return the same array) and
+    `open_into` into a buffer of the caller's, keeping the sealed bytes, so
+    that a frame can be opened straight where its rows are wanted (a read
+    waiting for them) and again later, in place, should its rows be wanted
+    a second time. Either checks the tag: nothing unauthenticated is ever
+    returned. Not thread-safe: its owner serialises the calls.
+
+    Args:
+        channel: the `Channel` that received it.
+        aad: the message's associated data.
+        nonce: this frame's nonce.
+        index: its index in the message (for errors).
+        frame: the received frame (`zmq.Frame`, bytes or buffer).
+
+    Raises:
+        SealError: the frame is shorter than a tag.
+    """
+
+    __slots__ = ("_channel", "_aad", "_nonce", "_index", "_data",
+                 "_in_place", "_opened", "nbytes")
+
+    def __init__(self, channel, aad, nonce, index, frame):
+        data = frame_view(frame)
+        if data.nbytes < TAG_BYTES:
+            raise SealError(f"sealed frame {index} is shorter than a tag")
+        self._channel, self._aad, self._nonce = channel, aad, nonce
+        self._index, self._data = index, data
+        # In place in a received ZeroMQ frame (ours alone), as plain frames
+        # are used where they arrived; else into a new buffer.
+        self._in_place = hasattr(frame, "buffer") and not data.readonly
+        self._opened = None
+        self.nbytes = data.nbytes - TAG_BYTES  # of the plain frame
+
+    @property
+    def sealed_view(self):
+        """The sealed bytes without the tag: as long as the plain frame,
+        so a header's sizes can be checked against it. Not the rows."""
+        return self._data[:self.nbytes]
+
+    def open(self):
+        """The plain frame (uint8 array), opened in place the first time."""
+        if self._opened is None:
+            out = np.frombuffer(self._data, np.uint8, self.nbytes) \
+                if self._in_place else aligned_empty(self.nbytes)
+            self._decrypt(out)
+            self._opened = out
+        return self._opened
+
+    def open_into(self, out):
+        """Opens the frame into `out` (a writable buffer of `nbytes`),
+        keeping the sealed bytes. If it raises, `out` holds nothing of use.
+
+        Raises:
+            SealError: the tag fails.
+            ValueError: `out` is not `nbytes` long.
+        """
+        if memoryview(out).nbytes != self.nbytes:
+            raise ValueError(f"sealed frame {self._index} opens into "
+                             f"{self.nbytes} bytes, not "
+                             f"{memoryview(out).nbytes}")
+        if self._opened is not None:
+            np.copyto(np.frombuffer(out, np.uint8), self._opened)
+        else:
+            self._decrypt(out)
+        return out
+
+    def _decrypt(self, out):
+        channel = self._channel
+        from_buffer = channel._ffi.from_buffer
+        if channel._decrypt(from_buffer(out, require_writable=True),
+                            from_buffer(self._data), self._data.nbytes,
+                            TAG_BYTES, self._aad, len(self._aad), self._nonce,
+                            channel._receive_key):
+            raise SealError(f"sealed frame {self._index} does not "
+                            f"authenticate")
 
 
 class Queued:

@@ -1,5 +1,6 @@
 """The worker client against thread shards: reads, updates, slack, indexes."""
 
+import functools
 import gc
 import os
 import socket
@@ -9,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from keras_geeps import protocol, seal
 from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import GeePSError, GeePSTimeoutError
@@ -159,18 +161,33 @@ def test_worker_that_stops_clocking_is_named(thread_cluster):
         thread.join(10)
 
 
+def _push_chunk(table, age, row, value, rows=4):
+    """A shard's PUSH chunk of `table` (width 2), as the I/O thread gets it."""
+    return Message(MsgType.PUSH, table.id, clk=age,
+                   arrays=[np.full((rows, 2), value, np.float32)],
+                   meta={"row_start": 0, "chunk_row": row})
+
+
+def _sealed(channels, message, tamper=False):
+    """`message` sealed by one channel and opened, rows deferred, by the
+    other: (message, sealed frames) as a sealed link hands them on."""
+    sender, receiver = channels
+    frames = [np.frombuffer(bytes(f), np.uint8).copy()
+              for f in sender.seal(protocol.encode(message))]
+    if tamper:
+        frames[4][0] ^= 1
+    opened = receiver.open(frames, defer=True)
+    return protocol.decode([opened[0]] + [f.sealed_view
+                                          for f in opened[1:]]), opened[1:]
+
+
 def test_a_push_sent_again_replaces_its_torn_chunks(thread_cluster):
     # A shard that dies mid-push leaves its first chunks with the worker;
     # restored, it pushes that age again: only the new chunks count.
     cluster = thread_cluster(1, 1)
     with cluster.client(0, timeout=2, heartbeat_interval=0) as client:
         table = client.create_table("t", 8, 2)
-
-        def chunk(age, row, value, rows=4):
-            return Message(MsgType.PUSH, table.id, clk=age,
-                           arrays=[np.full((rows, 2), value, np.float32)],
-                           meta={"row_start": 0, "chunk_row": row})
-
+        chunk = functools.partial(_push_chunk, table)
         client._on_rows(0, chunk(5, 0, 7.0))  # torn after its first chunk
         client._on_rows(0, chunk(5, 0, 1.0))  # the same push again, whole
         client._on_rows(0, chunk(5, 4, 1.0))
@@ -181,6 +198,113 @@ def test_a_push_sent_again_replaces_its_torn_chunks(thread_cluster):
         np.testing.assert_array_equal(client.read(table, clock=6),
                                       np.full((8, 2), 2.0))
         assert table.incoming[0][0] == -1  # nothing left half-assembled
+
+
+def _waiting_read(client, table, out, clock):
+    """Starts a read that waits; returns (thread, result dict) once its
+    buffer is registered for delivery."""
+    result = {}
+
+    def read():
+        try:
+            result["rows"] = client.read(table, out=out, clock=clock)
+        except Exception as exc:  # noqa: BLE001 (checked by the test)
+            result["error"] = exc
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while table.delivery is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert table.delivery is not None, "the read did not wait"
+    return thread, result
+
+
+def test_a_waiting_read_gets_each_chunk_as_it_arrives(thread_cluster):
+    """A read waiting for a push has its chunks put into its buffer as they
+    come (a torn push's too, overwritten when it comes again), so nothing
+    is left to copy once the last one is in."""
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=10, heartbeat_interval=0) as client:
+        table = client.create_table("t", 8, 2)
+        chunk = functools.partial(_push_chunk, table)
+        out = np.zeros((8, 2), np.float32)
+        thread, result = _waiting_read(client, table, out, clock=5)
+        client._on_rows(0, chunk(5, 0, 7.0))  # torn after its first chunk
+        np.testing.assert_array_equal(out[:4], 7.0)  # there already
+        client._on_rows(0, chunk(5, 0, 1.0))
+        client._on_rows(0, chunk(5, 4, 1.0))
+        thread.join(10)
+        assert result["rows"] is out
+        np.testing.assert_array_equal(out, np.ones((8, 2)))
+        assert client.stats()["bytes_delivered"] == 3 * 32
+        assert table.delivery is None
+        # A read that did not wait copies from the cache.
+        np.testing.assert_array_equal(client.read(table, clock=5), out)
+        assert client.stats()["bytes_delivered"] == 3 * 32
+
+
+def test_a_read_that_starts_mid_push_copies_it_whole(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=10, heartbeat_interval=0) as client:
+        table = client.create_table("t", 8, 2)
+        client._on_rows(0, _push_chunk(table, 6, 0, 2.0))
+        out = np.zeros((8, 2), np.float32)
+        thread, result = _waiting_read(client, table, out, clock=6)
+        client._on_rows(0, _push_chunk(table, 6, 4, 3.0))
+        thread.join(10)
+        np.testing.assert_array_equal(out, [[2.0, 2.0]] * 4 + [[3.0, 3.0]] * 4)
+        assert result["rows"] is out
+
+
+def test_a_read_that_gave_up_is_not_written_to(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=0.3, heartbeat_interval=0) as client:
+        table = client.create_table("t", 8, 2)
+        out = np.zeros((8, 2), np.float32)
+        with pytest.raises(GeePSTimeoutError):
+            client.read(table, out=out, clock=5)
+        assert table.delivery is None
+        client._on_rows(0, _push_chunk(table, 5, 0, 1.0, rows=8))
+        np.testing.assert_array_equal(out, 0.0)
+        assert client.stats()["bytes_delivered"] == 0
+
+
+def test_sealed_rows_open_straight_into_a_waiting_read(thread_cluster):
+    """From a sealed link, a waiting read's chunks are opened into its
+    buffer (one pass, no copy after) and kept sealed in the cache, opened
+    again only when wanted: into the next read's buffer, or in place for a
+    part of them. A chunk that does not authenticate is dropped and never
+    read."""
+    keys = seal.new_session()
+    channels = (seal.Channel(keys["session"], keys["s2c"], keys["c2s"]),
+                seal.Channel(keys["session"], keys["c2s"], keys["s2c"]))
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=10, heartbeat_interval=0) as client:
+        table = client.create_table("t", 8, 2)
+
+        def chunk(age, row, value, tamper=False):
+            return _sealed(channels, _push_chunk(table, age, row, value),
+                           tamper)
+
+        out = np.zeros((8, 2), np.float32)
+        thread, result = _waiting_read(client, table, out, clock=5)
+        client._on_rows(0, *chunk(5, 0, 9.0, tamper=True))  # dropped
+        client._on_rows(0, *chunk(5, 0, 1.0))
+        client._on_rows(0, *chunk(5, 4, 2.0))
+        thread.join(10)
+        expected = np.array([[1.0, 1.0]] * 4 + [[2.0, 2.0]] * 4)
+        np.testing.assert_array_equal(result["rows"], expected)
+        assert client.stats()["bytes_delivered"] == 2 * 32
+        # The cache kept the sealed rows: opened into the next buffer ...
+        np.testing.assert_array_equal(client.read(table, clock=5), expected)
+        # ... or, for some of their rows, in place (then kept opened).
+        with client.virtual_iteration() as iteration:
+            rows = iteration.read(table, rows=np.array([1, 6]))
+        np.testing.assert_array_equal(client.read(rows, clock=5),
+                                      expected[[1, 6]])
+        assert client.read_shared(table, clock=5) is None  # two chunks
+        np.testing.assert_array_equal(client.read(table, clock=5), expected)
 
 
 def _memfds():

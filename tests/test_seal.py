@@ -92,6 +92,52 @@ def test_read_only_frames_open_into_aligned_buffers(pair):
         == b"a header"
 
 
+def test_deferred_frames_open_where_the_caller_says(pair):
+    """With defer=True only the header is opened (and the counter taken);
+    a rows frame opens into a caller's buffer, keeping its sealed bytes,
+    then again in place: the same rows each time."""
+    worker, shard = pair
+    frames = _received(worker.seal(_frames()))
+    header, rows, empty = shard.open(frames, defer=True)
+    assert bytes(header) == b"a header"
+    assert shard.received == worker.sent
+    assert isinstance(rows, seal.SealedFrame) and rows.nbytes == 4000
+    assert rows.sealed_view.nbytes == 4000
+    into = np.empty(1000, np.float32)
+    rows.open_into(into)
+    np.testing.assert_array_equal(into, np.arange(1000, dtype=np.float32))
+    in_place = rows.open()  # the sealed bytes were kept for this
+    np.testing.assert_array_equal(in_place.view(np.float32), into)
+    assert in_place.ctypes.data == np.frombuffer(
+        frames[4].buffer, np.uint8).ctypes.data
+    assert rows.open() is in_place  # once
+    again = np.zeros(1000, np.float32)
+    rows.open_into(again)  # after an open in place: a copy of the rows
+    np.testing.assert_array_equal(again, into)
+    assert empty.open().nbytes == 0
+    with pytest.raises(ValueError, match="opens into 4000 bytes, not 3996"):
+        rows.open_into(np.empty(999, np.float32))
+
+
+def test_a_deferred_frame_that_was_tampered_with_never_opens(pair):
+    worker, shard = pair
+    frames = _received(worker.seal(_frames()))
+    frames[4].buffer[0] ^= 1
+    _, rows, _ = shard.open(frames, defer=True)  # the header is genuine
+    with pytest.raises(seal.SealError, match="frame 1 does not authenticate"):
+        rows.open_into(np.empty(1000, np.float32))
+    with pytest.raises(seal.SealError, match="frame 1 does not authenticate"):
+        rows.open()
+    # The frame cannot be moved to another message or place either.
+    sealed = worker.seal(_frames() + [np.ones(1000, np.float32)])
+    moved = sealed[:4] + [sealed[6], sealed[5], sealed[4]]  # 1 <-> 3
+    _, rows, _, last = shard.open(moved, defer=True)
+    with pytest.raises(seal.SealError, match="authenticate"):
+        rows.open()
+    with pytest.raises(seal.SealError, match="authenticate"):
+        last.open()
+
+
 def test_the_ciphertext_hides_the_rows(pair):
     worker, _ = pair
     rows = np.full(4096, 7, np.uint8)

@@ -45,7 +45,10 @@ class PartRows:
     """The cached rows of one shard part, kept as the chunks that arrived.
 
     Pushed chunks are used where ZeroMQ received them (no copy into a
-    cache array); a read copies them straight into its output.
+    cache array); a read copies them straight into its output. A sealed
+    chunk that was opened straight into a read's buffer stays sealed here
+    (`_SealedRows`) until its rows are wanted again: then it is opened into
+    that read's buffer too, or once in place.
     """
 
     __slots__ = ("chunks",)
@@ -57,29 +60,86 @@ class PartRows:
     def zeros(cls, rows, width, dtype):
         return cls([(0, np.zeros((rows, width), dtype))])
 
+    def array(self, i):
+        """The rows of chunk `i` (a sealed one is opened in place, once)."""
+        start, rows = self.chunks[i]
+        if isinstance(rows, _SealedRows):
+            rows = rows.opened()
+            self.chunks[i] = (start, rows)
+        return rows
+
     def copy_to(self, out, local_rows):
         """out[...] = rows `local_rows` (a slice or sorted int array)."""
         if isinstance(local_rows, slice):
             lo, hi = local_rows.start, local_rows.stop
-            for start, array in self.chunks:
-                a, b = max(lo, start), min(hi, start + array.shape[0])
-                if a < b:
-                    out[a - lo:b - lo] = array[a - start:b - start]
+            for i, (start, rows) in enumerate(self.chunks):
+                a, b = max(lo, start), min(hi, start + rows.shape[0])
+                if a >= b:
+                    continue
+                target = out[a - lo:b - lo]
+                if isinstance(rows, _SealedRows) and b - a == \
+                        rows.shape[0] and target.flags.c_contiguous and \
+                        target.dtype == rows.dtype:
+                    rows.open_into(target)  # the copy and the cipher in one
+                else:
+                    target[...] = self.array(i)[a - start:b - start]
             return
         starts = np.array([start for start, _ in self.chunks])
         which = np.searchsorted(starts, local_rows, side="right") - 1
-        for i, (start, array) in enumerate(self.chunks):
+        for i, (start, _) in enumerate(self.chunks):
             mask = which == i
             if mask.any():
-                out[mask] = array[local_rows[mask] - start]
+                out[mask] = self.array(i)[local_rows[mask] - start]
 
     def writable(self):
         """One writable array of all rows (made once, for read-my-writes)."""
-        if len(self.chunks) != 1 or not self.chunks[0][1].flags.writeable:
-            self.chunks = [(0, np.concatenate([a for _, a in self.chunks])
-                            if len(self.chunks) > 1
-                            else self.chunks[0][1].copy())]
+        arrays = [self.array(i) for i in range(len(self.chunks))]
+        if len(arrays) != 1 or not arrays[0].flags.writeable:
+            self.chunks = [(0, np.concatenate(arrays) if len(arrays) > 1
+                            else arrays[0].copy())]
         return self.chunks[0][1]
+
+
+class _SealedRows:
+    """Rows of a sealed chunk that were opened into a read's buffer as they
+    arrived (`GeePSClient._place`), kept sealed in the cache until wanted
+    again.
+
+    Args:
+        frame: the chunk's `seal.SealedFrame`.
+        like: an array of the rows' dtype and shape.
+    """
+
+    __slots__ = ("frame", "dtype", "shape")
+
+    def __init__(self, frame, like):
+        self.frame, self.dtype, self.shape = frame, like.dtype, like.shape
+
+    def opened(self):
+        """The rows, opened in place (once)."""
+        return self.frame.open().view(self.dtype).reshape(self.shape)
+
+    def open_into(self, out):
+        """Opens the rows into `out` (C-contiguous, of their shape)."""
+        self.frame.open_into(out.reshape(-1).view(np.uint8))
+
+
+class _Delivery:
+    """A read waiting for pushes of whole parts: each part's next push goes
+    into the read's buffer as its chunks arrive, opened there when sealed
+    (one pass instead of opening in place and copying after), copied there
+    when not (while the rest is on the wire instead of after it).
+
+    Args:
+        regions: {part: the read buffer's rows for that part}.
+    """
+
+    __slots__ = ("regions", "filling", "done")
+
+    def __init__(self, regions):
+        self.regions = regions
+        self.filling = {}  # part -> [age, rows placed] of the arriving push
+        self.done = {}     # part -> age of the push its region holds whole
 
 
 def _no_push():
@@ -136,6 +196,7 @@ class Table:
         self.part_ckpt = np.full(len(parts), -1, np.int64)
         self.lock = threading.Lock()
         self.all_rows = None        # the handle for whole-table access
+        self.delivery = None        # a waiting read's _Delivery (`read`)
 
     @property
     def nbytes(self):
@@ -207,6 +268,7 @@ class GeePSClient:
         self._seq_lock = threading.Lock()
         self._seqs = [itertools.count(1) for _ in self.cluster.shards]
         self.wait_seconds = 0.0
+        self.bytes_delivered = 0  # rows put into waiting reads' buffers
         self.access_plan = AccessPlan()
         self._clock_lock = threading.Lock()  # clock() vs a recovery replay
         self._recovering = {}  # shard -> DECLAREs still to be answered
@@ -612,8 +674,9 @@ class GeePSClient:
         return VirtualIteration(self.access_plan)
 
     # ------------------------------------------------------ the I/O side
-    def _on_rows(self, shard, message):
-        """Runs in the I/O thread for every PUSH / ROWS chunk."""
+    def _on_rows(self, shard, message, sealed=None):
+        """Runs in the I/O thread for every PUSH / ROWS chunk (`sealed`:
+        see `IOThread`)."""
         if not 0 <= message.table < len(self._tables):
             self._io.errors.append(GeePSError(
                 f"shard {shard} pushed unknown table {message.table}"))
@@ -651,6 +714,19 @@ class GeePSClient:
                 f"shard {shard} pushed rows beyond its part of table "
                 f"{table.name!r}"))
             return
+        incoming = table.incoming[part]
+        # A shard sends a push's chunks in row order: a chunk that starts
+        # before the rows received so far end begins the push again (a
+        # restarted shard resending the age a torn push had).
+        restart = incoming[0] != message.clk or begin < incoming[3]
+        try:
+            if "ref" not in message.meta:  # (shared rows: read where they are)
+                rows = self._place(table, part, message.clk, begin, rows,
+                                   sealed[0] if sealed else None, restart)
+        except seal.SealError as exc:
+            log.error("dropped a sealed chunk of table %r from shard %d: %s",
+                      table.name, shard, exc)
+            return
         ckpt = message.meta.get("ckpt", -1)
         if ckpt > table.part_ckpt[part]:
             with self._clock_lock:
@@ -658,11 +734,7 @@ class GeePSClient:
                 covered = int(table.part_ckpt.min())
                 for clk in [c for c in table.log if c < covered]:
                     del table.log[clk]
-        incoming = table.incoming[part]
-        # A shard sends a push's chunks in row order: a chunk that starts
-        # before the rows received so far end begins the push again (a
-        # restarted shard resending the age a torn push had).
-        if incoming[0] != message.clk or begin < incoming[3]:
+        if restart:
             incoming[:] = [message.clk, 0, {}, 0]
         incoming[2][begin] = rows
         incoming[1] += rows.shape[0]
@@ -683,11 +755,50 @@ class GeePSClient:
                         rows_ += table.update_buffer[start:end]
                 table.part_rows[part] = fresh
                 table.ages[part] = age
+                delivery = table.delivery
+                if delivery is not None and \
+                        delivery.filling.get(part) == [age, end - start]:
+                    delivery.done[part] = age
             floor = table.ages.min()
             for clk in [c for c in table.own if c < floor]:
                 del table.own[clk]
         with self._cond:
             self._cond.notify_all()
+
+    def _place(self, table, part, age, begin, rows, frame, restart):
+        """The rows of a chunk as the cache keeps them: put into the buffer
+        of a read that waits for the part (`_Delivery`), opened there when
+        sealed (`frame`, a `seal.SealedFrame`: `rows` then only gives
+        dtype and shape), else opened in place.
+
+        Raises:
+            seal.SealError: sealed rows that do not authenticate (a read
+                waiting for them copies from the cache instead).
+        """
+        with table.lock:  # a read takes its delivery back under it
+            delivery = table.delivery
+            filling = None
+            if delivery is not None and part in delivery.regions and \
+                    part not in delivery.done:
+                if restart:  # placed from its first chunk on, or not at all
+                    delivery.filling[part] = [age, 0]
+                filling = delivery.filling.get(part)
+            if filling is not None:
+                region = delivery.regions[part][begin:begin + rows.shape[0]]
+                try:
+                    if frame is None:
+                        np.copyto(region, rows)
+                    else:
+                        frame.open_into(region.reshape(-1).view(np.uint8))
+                except seal.SealError:
+                    del delivery.filling[part]  # its region holds no push
+                    raise
+                filling[1] += rows.shape[0]
+                self.bytes_delivered += rows.nbytes
+                return rows if frame is None else _SealedRows(frame, rows)
+        if frame is None:
+            return rows
+        return frame.open().view(rows.dtype).reshape(rows.shape)
 
     # ------------------------------------------- failures and recovery
     def _on_error_code(self, shard, message, future):
@@ -886,6 +997,12 @@ class GeePSClient:
     def read(self, what, out=None, clock=None):
         """Returns the rows of a table (or an access), fresh per the slack.
 
+        A read that has to wait for the push of whole table parts (and a
+        table without `read_my_writes`) gets that push's chunks in its
+        output as they arrive, opened there when the link is sealed: no
+        copy is left once the last one is in (`stats()["bytes_delivered"]`
+        counts them). Otherwise the cached rows are copied out.
+
         Args:
             what: a `Table`, its name, or an `AccessHandle` from
                 `virtual_iteration()` (its pre-built index is used).
@@ -898,20 +1015,73 @@ class GeePSClient:
         """
         handle = self.handle_for(what)
         table = handle.table
-        self.wait_fresh(handle, clock)
         count = table.rows if handle.rows is None else len(handle.rows)
         if out is None:
             out = np.empty((count, table.width), table.dtype)
         elif out.shape != (count, table.width):
             raise ValueError(f"out has shape {out.shape}, the read gives "
                              f"{(count, table.width)}")
+        delivery = self._deliver_into(handle, out, clock)
+        try:
+            self.wait_fresh(handle, clock)
+        finally:
+            if delivery is not None:
+                with table.lock:
+                    table.delivery = None
         with table.lock:
             for part, buffer_rows, local_rows in handle.parts:
-                table.part_rows[part].copy_to(out[buffer_rows], local_rows)
+                # (a part its delivery holds whole, unless a newer push
+                # came since, is in `out` already)
+                if delivery is None or \
+                        delivery.done.get(part) != table.ages[part]:
+                    table.part_rows[part].copy_to(out[buffer_rows],
+                                                  local_rows)
             ages = [table.ages[part] for part, _, _ in handle.parts]
         table.last_read_ages = [int(a) for a in ages]
         table.last_read_age = int(min(ages)) if ages else table.data_age
         return out
+
+    def delivers(self, what, clock=None):
+        """Whether a `read` of `what` (a `Table` or its name) at `clock` now
+        would get its rows in its buffer as they arrive: it has to wait
+        for a push, and the push comes over TCP, not shared memory.
+
+        Args:
+            what: a `Table` or its name.
+            clock: the clock read at; defaults to the table's current clock.
+        """
+        table = self.handle_for(what).table
+        required = max(0, (table.clock if clock is None else clock)
+                       - self.slack)
+        with table.lock:
+            return not table.read_my_writes and bool(len(table.ages)) and \
+                table.ages.min() < required and not any(
+                    shard in self._shm_peers for shard, _, _ in table.parts)
+
+    def _deliver_into(self, handle, out, clock):
+        """Registers `out` to receive the pushes a read must wait for, as
+        they arrive (`_Delivery`), when it reads whole parts of a table
+        that holds no own writes and is not fresh yet. Returns the
+        delivery, or None."""
+        table = handle.table
+        required = max(0, (table.clock if clock is None else clock)
+                       - self.slack)
+        if table.read_my_writes or out.dtype != table.dtype or \
+                not out.flags.c_contiguous:
+            return None
+        regions = {}
+        for part, buffer_rows, local_rows in handle.parts:
+            _, start, end = table.parts[part]
+            if not isinstance(local_rows, slice) or \
+                    local_rows.stop - local_rows.start != end - start:
+                return None
+            regions[part] = out[buffer_rows]
+        with table.lock:
+            if table.delivery is not None or not regions or \
+                    table.ages[list(regions)].min() >= required:
+                return None
+            table.delivery = _Delivery(regions)
+            return table.delivery
 
     def read_shared(self, what, clock=None):
         """The rows of a whole table without a copy, when they can be had so.
@@ -936,7 +1106,7 @@ class GeePSClient:
         self.wait_fresh(handle, clock)
         with table.lock:
             chunks = table.part_rows[0].chunks
-            if len(chunks) != 1:
+            if len(chunks) != 1 or not isinstance(chunks[0][1], np.ndarray):
                 return None
             array = chunks[0][1]
             if array.shape[0] != table.rows or array.ctypes.data % 64 or \
@@ -1125,6 +1295,7 @@ class GeePSClient:
                 "shm_bytes_sent": self.shm_bytes_out,
                 "shm_bytes_received": self.shm_bytes_in,
                 "wait_seconds": self.wait_seconds,
+                "bytes_delivered": self.bytes_delivered,
                 "data_age": min((t.data_age for t in tables), default=0),
                 "clock": max((t.clock for t in tables), default=0)}
 

@@ -77,8 +77,11 @@ class IOThread:
 
     Args:
         addresses: the shard addresses, index = shard id.
-        on_rows: called as on_rows(shard, message) in this thread for every
-            PUSH and ROWS message.
+        on_rows: called as on_rows(shard, message, sealed) in this thread
+            for every PUSH and ROWS message. `sealed` is None, or (rows
+            from a sealed link) one `seal.SealedFrame` per array of
+            `message`, whose arrays then hold sealed bytes, not rows: only
+            their dtype and shape are meant, until the frame is opened.
         on_error: called as on_error(shard, message, future) in this thread
             for an ERROR that carries a `code` (shard restarted, worker
             dead); `future` is the refused request's, or None.
@@ -322,27 +325,41 @@ class IOThread:
         self._poller.register(sock, zmq.POLLIN)
 
     def _open(self, shard, frames, link):
-        """The message in `frames` from `shard`. From its main socket (CURVE
-        when keys are set) anything goes; from its data `link` only sealed
-        messages of the session and, in the clear, the hello_required
-        error of a restarted shard (it can cause a recovery, nothing
-        else). None for what does not qualify."""
+        """The message in `frames` from `shard`, and its `seal.SealedFrame`s
+        when its rows are left sealed (else None). From its main socket
+        (CURVE when keys are set) anything goes; from its data `link` only
+        sealed messages of the session and, in the clear, the
+        hello_required error of a restarted shard (it can cause a recovery,
+        nothing else). (None, None) for what does not qualify.
+
+        The rows of a sealed PUSH or ROWS are not opened here: `on_rows`
+        opens them where they are wanted (into a waiting read's buffer, so
+        the cipher's pass is also the copy), else in place."""
         if link is None:
-            return protocol.decode(frames)
+            return protocol.decode(frames), None
         if frames and bytes(frames[0].buffer) == seal.MAGIC:
             try:
-                return protocol.decode(link.channel.open(frames))
+                opened = link.channel.open(frames, defer=True)
+                sealed = opened[1:]
+                message = protocol.decode(
+                    [opened[0]] + [frame.sealed_view for frame in sealed])
+                if message.type in (MsgType.PUSH, MsgType.ROWS):
+                    return message, sealed
+                message.arrays = [
+                    frame.open().view(array.dtype).reshape(array.shape)
+                    for array, frame in zip(message.arrays, sealed)]
+                return message, None
             except seal.SealError as exc:
                 log.error("dropped a sealed message from shard %d: %s",
                           shard, exc)
-                return None
+                return None, None
         message = protocol.decode(frames)
         if message.type == MsgType.ERROR and message.meta.get("code") == \
                 protocol.ERROR_HELLO_REQUIRED:
-            return message
+            return message, None
         log.error("dropped an unsealed %s on shard %d's data link",
                   message.type.name, shard)
-        return None
+        return None, None
 
     def _drain(self, sock, shard):
         link = self._links.get(shard)
@@ -355,21 +372,21 @@ class IOThread:
                 return
             self.bytes_in += sum(len(f) for f in frames)
             try:
-                message = self._open(shard, frames, link)
+                message, sealed = self._open(shard, frames, link)
             except ProtocolError as exc:
                 log.error("shard %d sent a malformed message: %s", shard, exc)
                 self.errors.append(GeePSServerError(
                     f"shard {shard} sent a malformed message: {exc}"))
                 continue
             if message is not None:
-                self._deliver(shard, message)
+                self._deliver(shard, message, sealed)
 
-    def _deliver(self, shard, message):
+    def _deliver(self, shard, message, sealed=None):
         kind = message.type
         if kind == MsgType.WELCOME and "sealed" in message.meta:
             self._open_link(shard, message.meta["sealed"])
         if kind in (MsgType.PUSH, MsgType.ROWS):
-            self._on_rows(shard, message)
+            self._on_rows(shard, message, sealed)
             return
         with self._lock:
             future = self._futures.pop((shard, message.seq), None)

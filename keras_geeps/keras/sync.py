@@ -409,10 +409,19 @@ class ParameterSync:
         clock = table.clock + self.client.slack if full else None
         # Not under self.lock: the push this pull may be waiting for can
         # come from another thread (the memory manager's write-back).
-        self.client.wait_fresh(table, clock=clock)
+        delivered = None
+        if self.client.delivers(table, clock=clock):
+            # A push over TCP must come: the read gets it in its buffer as
+            # it arrives (opened there when sealed), with no copy after.
+            delivered = layer.next_buffer()
+            self.client.read(table, out=delivered.reshape(table.rows,
+                                                          table.width),
+                             clock=clock)
+        else:
+            self.client.wait_fresh(table, clock=clock)
         self.pull_wait_seconds += time.perf_counter() - started
         current = layer.variables if values is None else values
-        if tuple(table.ages) == layer.pulled_ages and \
+        if delivered is None and tuple(table.ages) == layer.pulled_ages and \
                 layer.snapshot is not None:
             if layer.snapshot_stale:  # own updates stay; re-base the delta
                 layer.snapshot = self._own_view(layer, current, values)
@@ -424,9 +433,11 @@ class ParameterSync:
             # ops read them); others, and the memory manager's host copies
             # (which TF may compute on in place), are copied out.
             buffer = self.client.read_shared(table) if values is None \
-                else None
+                and delivered is None else None
             shared = buffer is not None
-            if buffer is None:
+            if delivered is not None:
+                buffer = delivered
+            elif buffer is None:
                 buffer = layer.next_buffer()
                 self.client.read(table, out=buffer.reshape(table.rows,
                                                            table.width))

@@ -44,12 +44,19 @@ def _reference_weights(batch, steps, lr):
     return model.get_weights()
 
 
-def test_bsp_sgd_equals_one_process_with_combined_batch(tmp_path):
+@pytest.mark.parametrize("shared_memory", ["1", "0"])
+def test_bsp_sgd_equals_one_process_with_combined_batch(tmp_path, monkeypatch,
+                                                        shared_memory):
+    monkeypatch.setenv("KERAS_GEEPS_SHM", shared_memory)
     steps, batch, lr = 12, 16, 0.2
     results = _run(tmp_path, "--batch", str(batch), "--lr", str(lr),
                    "--max-steps", str(steps), "--steps-per-execution", "4")
     (w0, r0), (w1, r1) = results
     assert r0["stats"]["clock"] == r1["stats"]["clock"] == steps
+    for stats in (r0["stats"], r1["stats"]):
+        # Over TCP, pulls that wait get the pushes in their buffers as
+        # they arrive; over shared memory rows are used where they lie.
+        assert (stats["bytes_delivered"] > 0) == (shared_memory == "0")
     # BSP with plain SGD on the CPU: updates are taken from the optimizer.
     assert r0["stats"]["captured_tables"] == r0["stats"]["tables"] > 0
     for a, b in zip(w0, w1):  # identical on every worker

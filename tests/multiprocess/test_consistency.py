@@ -42,8 +42,11 @@ def test_bsp_four_workers_two_shards_fifty_clocks(tmp_path, monkeypatch,
         if shared_memory == "1":
             assert stats["shm_bytes_received"] > 0.9 * stats["bytes_received"]
             assert stats["shm_bytes_sent"] > 0.9 * stats["bytes_sent"]
+            assert stats["bytes_delivered"] == 0  # rows read where they lie
         else:
             assert stats["shm_bytes_received"] == stats["shm_bytes_sent"] == 0
+            # Reads that waited got pushes in their buffers as they came.
+            assert stats["bytes_delivered"] > 0
         # Final values: the exact sums, on every worker.
         assert result["final_min"] == result["final_max"] == _expected(50, 4)
         assert result["final_small"] == result["final_small_max"] == 200.0
