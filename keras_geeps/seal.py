@@ -234,13 +234,14 @@ class Channel:
             frames: the received frames.
             defer: if True, only the header frame (the first) is opened
                 (and with it the counter checked and taken); the others come
-                back as `SealedFrame`s, for the caller to open where their
-                rows are wanted. Each still opens only with its own tag.
-                Defaults to False.
+                back unopened, as `SealedFrame`s, for the caller to open
+                where their rows are wanted, each then checked by its own
+                tag. Defaults to False.
 
         Raises:
             SealError: it is not a sealed message of this session, a tag
-                fails, or its counter is not above the last one opened.
+                fails (with `defer`: the header's), or its counter is not
+                above the last one opened.
         """
         if len(frames) < 4 or bytes(frame_view(frames[0])) != MAGIC:
             # (a message has a header frame: with no frame nothing would

@@ -270,6 +270,27 @@ def test_a_read_that_gave_up_is_not_written_to(thread_cluster):
         assert client.stats()["bytes_delivered"] == 0
 
 
+def test_a_read_only_buffer_fails_the_read_not_the_io_thread(
+        thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=10, heartbeat_interval=0,
+                        shared_memory=False) as client:
+        table = client.create_table("t", 8, 2)
+        client.update(table, np.ones((8, 2), np.float32))
+        client.clock()
+        frozen = np.zeros((8, 2), np.float32)
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match="read-only"):
+            client.read(table, out=frozen)
+        client.update(table, np.ones((8, 2), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table), 2.0)
+        # A chunk that claims to start before its part is refused too.
+        client._on_rows(0, _push_chunk(table, 9, -4, 1.0))
+        assert "beyond its part" in str(client._io.errors.pop())
+        assert table.incoming[0][0] == -1
+
+
 def test_sealed_rows_open_straight_into_a_waiting_read(thread_cluster):
     """From a sealed link, a waiting read's chunks are opened into its
     buffer (one pass, no copy after) and kept sealed in the cache, opened

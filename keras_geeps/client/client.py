@@ -683,7 +683,8 @@ class GeePSClient:
             return
         table = self._tables[message.table]
         part = table.part_of.get((shard, message.meta.get("row_start")))
-        if "ref" in message.meta and not message.arrays:
+        shared = "ref" in message.meta and not message.arrays
+        if shared:
             lend = message.meta.get("lend")
             if lend is not None and len(table.parts) == 1:
                 table.lend = (message.clk, shard, lend)
@@ -709,7 +710,7 @@ class GeePSClient:
             return
         _, start, end = table.parts[part]
         begin = message.meta.get("chunk_row", 0)
-        if begin + rows.shape[0] > end - start:
+        if begin < 0 or begin + rows.shape[0] > end - start:
             self._io.errors.append(GeePSError(
                 f"shard {shard} pushed rows beyond its part of table "
                 f"{table.name!r}"))
@@ -720,7 +721,7 @@ class GeePSClient:
         # restarted shard resending the age a torn push had).
         restart = incoming[0] != message.clk or begin < incoming[3]
         try:
-            if "ref" not in message.meta:  # (shared rows: read where they are)
+            if not shared:  # (shared rows are read where they lie)
                 rows = self._place(table, part, message.clk, begin, rows,
                                    sealed[0] if sealed else None, restart)
         except seal.SealError as exc:
@@ -1042,9 +1043,11 @@ class GeePSClient:
         return out
 
     def delivers(self, what, clock=None):
-        """Whether a `read` of `what` (a `Table` or its name) at `clock` now
-        would get its rows in its buffer as they arrive: it has to wait
-        for a push, and the push comes over TCP, not shared memory.
+        """Whether a whole-table `read` of `what` at `clock` now would get
+        its rows in its buffer as they arrive: it has to wait for a push,
+        the push comes over TCP, not shared memory, and the table keeps no
+        own writes (a push that has begun to arrive goes to the cache
+        first and is copied out as before).
 
         Args:
             what: a `Table` or its name.
@@ -1067,8 +1070,8 @@ class GeePSClient:
         required = max(0, (table.clock if clock is None else clock)
                        - self.slack)
         if table.read_my_writes or out.dtype != table.dtype or \
-                not out.flags.c_contiguous:
-            return None
+                not out.flags.c_contiguous or not out.flags.writeable:
+            return None  # (a read-only `out` fails in the caller's copy)
         regions = {}
         for part, buffer_rows, local_rows in handle.parts:
             _, start, end = table.parts[part]

@@ -129,6 +129,10 @@ class LayerTable:
         """A host buffer to read rows into (not the last one handed out)."""
         return self._reads.next()
 
+    def take_back_buffer(self):
+        """Undoes the last `next_buffer` (a read into it failed)."""
+        self._reads.take_back()
+
     def next_upload(self):
         """A host buffer for a captured update (when no shard lends one)."""
         return self._uploads.next().reshape(self.table.rows, self.table.width)
@@ -150,6 +154,11 @@ class _BufferPair:
         buffer = self._buffers[self._next]
         self._next ^= 1
         return buffer
+
+    def take_back(self):
+        """Undoes the last `next` (its buffer was not used after all), so
+        the one handed out before stays untouched."""
+        self._next ^= 1
 
 
 def check_update_mode(update_mode):
@@ -414,9 +423,14 @@ class ParameterSync:
             # A push over TCP must come: the read gets it in its buffer as
             # it arrives (opened there when sealed), with no copy after.
             delivered = layer.next_buffer()
-            self.client.read(table, out=delivered.reshape(table.rows,
-                                                          table.width),
-                             clock=clock)
+            try:
+                self.client.read(table, out=delivered.reshape(table.rows,
+                                                              table.width),
+                                 clock=clock)
+            except BaseException:
+                # (the other buffer may hold the rows of layer.snapshot)
+                layer.take_back_buffer()
+                raise
         else:
             self.client.wait_fresh(table, clock=clock)
         self.pull_wait_seconds += time.perf_counter() - started

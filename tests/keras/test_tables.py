@@ -203,23 +203,32 @@ def test_push_before_any_pull_is_a_clear_error(strategy):
         rows.reshape(-1), sync.tables[0].snapshot.numpy())
 
 
+def _kernel_sync(mine, other, update_mode):
+    """A 2x2 kernel that client `mine` syncs in `update_mode`, its table
+    declared by client `other` too: (kernel, ParameterSync, other's
+    table)."""
+    from keras_geeps.keras.sync import ParameterSync  # noqa: PLC0415
+
+    with tf.device("/cpu:0"):
+        kernel = tf.Variable(tf.zeros((2, 2)), name="lay/kernel")
+    sync = ParameterSync(mine, update_mode, capture_updates=False)
+    sync.track_variable(kernel, True)
+    sync.build()
+    table = sync.tables[0].table
+    return kernel, sync, other.create_table(table.name, table.rows,
+                                            table.width)
+
+
 def test_own_update_under_ssp_counts_as_the_shards_apply_it(thread_cluster):
     """Average mode, 2 workers, slack 2: with no fresh rows a worker's
     variables hold snapshot + update / 2 (what the shards will hold from
     it), not its whole update; the fresh rows later agree."""
-    from keras_geeps.keras.sync import ParameterSync  # noqa: PLC0415
-
     cluster = thread_cluster(1, 2)
     mine = cluster.client(0, timeout=10, slack=2)
     other = cluster.client(1, timeout=10, slack=2)
     try:
-        with tf.device("/cpu:0"):
-            kernel = tf.Variable(tf.zeros((2, 2)), name="lay/kernel")
-        sync = ParameterSync(mine, "average", capture_updates=False)
-        sync.track_variable(kernel, True)
-        sync.build()
+        kernel, sync, theirs = _kernel_sync(mine, other, "average")
         table = sync.tables[0].table
-        theirs = other.create_table(table.name, table.rows, table.width)
         sync.pull(0)
         kernel.assign_add(tf.ones((2, 2)))
         sync.push(0)
@@ -231,6 +240,38 @@ def test_own_update_under_ssp_counts_as_the_shards_apply_it(thread_cluster):
         mine.wait_fresh(table, clock=3)
         sync.pull(0)  # the shards' rows: the same view
         np.testing.assert_array_equal(kernel.numpy(), 0.5)
+    finally:
+        mine.close()
+        other.close()
+
+
+def test_a_pull_that_times_out_gives_its_buffer_back(thread_cluster):
+    """Over TCP a pull that must wait reads straight into the next of its
+    layer's two buffers; when that read fails, the buffer is given back,
+    so the next pull cannot write into the one under the live snapshot."""
+    from keras_geeps.errors import GeePSTimeoutError  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 2)
+    mine = cluster.client(0, timeout=0.5, shared_memory=False)
+    other = cluster.client(1, timeout=10, shared_memory=False)
+    try:
+        kernel, sync, theirs = _kernel_sync(mine, other, "sum")
+        layer = sync.tables[0]
+        sync.pull(0)
+        kernel.assign_add(tf.ones((2, 2)))
+        sync.push(0)
+        assert mine.delivers(layer.table)  # the other worker is behind
+        expected = layer.next_buffer()
+        layer.take_back_buffer()
+        with pytest.raises(GeePSTimeoutError):
+            sync.pull(0)
+        got = layer.next_buffer()
+        layer.take_back_buffer()
+        assert got is expected
+        other.update(theirs, np.full((2, 2), 2.0, np.float32))
+        other.clock()
+        sync.pull(0)
+        np.testing.assert_array_equal(kernel.numpy(), 3.0)
     finally:
         mine.close()
         other.close()
