@@ -956,6 +956,11 @@ class GeePSClient:
         raise TypeError(f"expected a Table, a table name or an AccessHandle,"
                         f" got {type(what).__name__}")
 
+    def _required_age(self, table, clock):
+        """The data age a read of `table` at `clock` (None: its current
+        clock) needs under the slack."""
+        return max(0, (table.clock if clock is None else clock) - self.slack)
+
     def wait_fresh(self, what, clock=None):
         """Blocks until `what` is as fresh as the slack requires.
 
@@ -973,8 +978,7 @@ class GeePSClient:
         """
         handle = self.handle_for(what)
         table = handle.table
-        clock = table.clock if clock is None else clock
-        required = max(0, clock - self.slack)
+        required = self._required_age(table, clock)
         parts = [p for p, _, _ in handle.parts]
         started = time.monotonic()
         deadline = started + self.timeout
@@ -1054,8 +1058,7 @@ class GeePSClient:
             clock: the clock read at; defaults to the table's current clock.
         """
         table = self.handle_for(what).table
-        required = max(0, (table.clock if clock is None else clock)
-                       - self.slack)
+        required = self._required_age(table, clock)
         with table.lock:
             return not table.read_my_writes and bool(len(table.ages)) and \
                 table.ages.min() < required and not any(
@@ -1067,8 +1070,7 @@ class GeePSClient:
         that holds no own writes and is not fresh yet. Returns the
         delivery, or None."""
         table = handle.table
-        required = max(0, (table.clock if clock is None else clock)
-                       - self.slack)
+        required = self._required_age(table, clock)
         if table.read_my_writes or out.dtype != table.dtype or \
                 not out.flags.c_contiguous or not out.flags.writeable:
             return None  # (a read-only `out` fails in the caller's copy)
