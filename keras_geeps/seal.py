@@ -325,10 +325,10 @@ class SealedFrame:
             SealError: the tag fails.
             ValueError: `out` is not `nbytes` long.
         """
-        if memoryview(out).nbytes != self.nbytes:
+        nbytes = memoryview(out).nbytes
+        if nbytes != self.nbytes:
             raise ValueError(f"sealed frame {self._index} opens into "
-                             f"{self.nbytes} bytes, not "
-                             f"{memoryview(out).nbytes}")
+                             f"{self.nbytes} bytes, not {nbytes}")
         if self._opened is not None:
             np.copyto(np.frombuffer(out, np.uint8), self._opened)
         else:

@@ -646,18 +646,22 @@ class ShardServer:
         frames = protocol.encode(message)
         self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes)
                                        else f.nbytes for f in frames)
+        if isinstance(identity, tuple):  # ("sealed", session)
+            session = self._sessions.get(identity[1])
+            if session is None:
+                return None
+            self.stats["sealed_out"] += 1
+            # Its frames are read until sealed: that is what to track.
+            queued = session.sender.send(frames)
+            self.stats["sealed_held_back"] += not queued.done
+            return queued if track else None
+        return self._send_to(self._socket, [identity] + frames, track)
+
+    def _send_to(self, sock, frames, track):
+        """Sends routed `frames` on `sock` without copying; their tracker
+        with `track`, else None, and None when the peer is gone."""
         try:
-            if isinstance(identity, tuple):  # ("sealed", session)
-                session = self._sessions.get(identity[1])
-                if session is None:
-                    return None
-                self.stats["sealed_out"] += 1
-                # Its frames are read until sealed: that is what to track.
-                queued = session.sender.send(frames)
-                self.stats["sealed_held_back"] += not queued.done
-                return queued if track else None
-            return self._socket.send_multipart([identity] + frames,
-                                               copy=False, track=track)
+            return sock.send_multipart(frames, copy=False, track=track)
         except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
             log.warning("shard %d: send failed: %s", self.shard_id, exc)
             return None
@@ -799,24 +803,14 @@ class ShardServer:
         channel = seal.Channel(route, keys["s2c"], keys["c2s"],
                                self._seal_buffers)
         self._sessions[route] = _Session(worker, channel, seal.Sender(
-            channel, lambda frames, track: self._send_sealed(route, frames,
-                                                             track)))
+            channel, lambda frames, track: self._send_to(
+                self._data, [route] + frames, track)))
         token = os.urandom(16).hex()  # lets it connect (not a key)
         self._session_tokens[route.hex()] = token
         self._identities[worker] = ("sealed", route)
         port = int(self.data_address.rsplit(":", 1)[1])
         return [port, route.hex(), keys["c2s"].hex(), keys["s2c"].hex(),
                 token]
-
-    def _send_sealed(self, route, frames, track):
-        """Hands a session's sealed message to the data socket (a `Sender`
-        calls it); its tracker with `track`."""
-        try:
-            return self._data.send_multipart([route] + frames, copy=False,
-                                              track=track)
-        except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
-            log.warning("shard %d: send failed: %s", self.shard_id, exc)
-            return None
 
     def _pump_sealed(self):
         """Seals what the sessions' senders hold back once ZeroMQ has sent

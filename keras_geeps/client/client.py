@@ -1058,11 +1058,19 @@ class GeePSClient:
             clock: the clock read at; defaults to the table's current clock.
         """
         table = self.handle_for(what).table
-        required = self._required_age(table, clock)
         with table.lock:
-            return not table.read_my_writes and bool(len(table.ages)) and \
-                table.ages.min() < required and not any(
-                    shard in self._shm_peers for shard, _, _ in table.parts)
+            return self._waits_for_push(table, range(len(table.parts)),
+                                        clock) and not any(
+                shard in self._shm_peers for shard, _, _ in table.parts)
+
+    def _waits_for_push(self, table, parts, clock):
+        """Whether a read of `parts` of `table` at `clock` must wait for a
+        push that can be delivered into its buffer: the table keeps no own
+        writes and a part is older than the read needs (under table.lock).
+        """
+        parts = list(parts)
+        return not table.read_my_writes and bool(parts) and \
+            table.ages[parts].min() < self._required_age(table, clock)
 
     def _deliver_into(self, handle, out, clock):
         """Registers `out` to receive the pushes a read must wait for, as
@@ -1070,9 +1078,8 @@ class GeePSClient:
         that holds no own writes and is not fresh yet. Returns the
         delivery, or None."""
         table = handle.table
-        required = self._required_age(table, clock)
-        if table.read_my_writes or out.dtype != table.dtype or \
-                not out.flags.c_contiguous or not out.flags.writeable:
+        if out.dtype != table.dtype or not out.flags.c_contiguous or \
+                not out.flags.writeable:
             return None  # (a read-only `out` fails in the caller's copy)
         regions = {}
         for part, buffer_rows, local_rows in handle.parts:
@@ -1082,8 +1089,8 @@ class GeePSClient:
                 return None
             regions[part] = out[buffer_rows]
         with table.lock:
-            if table.delivery is not None or not regions or \
-                    table.ages[list(regions)].min() >= required:
+            if table.delivery is not None or \
+                    not self._waits_for_push(table, regions, clock):
                 return None
             table.delivery = _Delivery(regions)
             return table.delivery

@@ -446,15 +446,16 @@ class ParameterSync:
             # A co-located shard's rows are used where they lie (only our
             # ops read them); others, and the memory manager's host copies
             # (which TF may compute on in place), are copied out.
-            buffer = self.client.read_shared(table) if values is None \
-                and delivered is None else None
-            shared = buffer is not None
             if delivered is not None:
-                buffer = delivered
-            elif buffer is None:
-                buffer = layer.next_buffer()
-                self.client.read(table, out=buffer.reshape(table.rows,
-                                                           table.width))
+                buffer, shared = delivered, False
+            else:
+                buffer = self.client.read_shared(table) if values is None \
+                    else None
+                shared = buffer is not None
+                if buffer is None:
+                    buffer = layer.next_buffer()
+                    self.client.read(table, out=buffer.reshape(
+                        table.rows, table.width))
         buffer = buffer.reshape(-1)
         layer.pulled_ages = tuple(table.last_read_ages)
         layer.behind = False
