@@ -22,6 +22,12 @@ renamed over the old file: a crash at any point leaves either the old or
 the new checkpoint, never a torn one. Workers keep every update of the
 clocks at or after a table's checkpoint clock and replay them to a shard
 restored from it (`keras-geeps shard --checkpoint-dir DIR --restore`).
+
+A shard writes a checkpoint of no tables when it starts (without
+--restore), so one killed before its first snapshot was durable restores
+empty rather than failing. A table the restored checkpoint lacks is created
+again by the worker that created it, which keeps the initial rows until a
+checkpoint holds them, and every worker replays it from clock 0.
 """
 
 import json
@@ -36,7 +42,8 @@ FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, unreadable or for another job."""
+    """A checkpoint that is missing, unreadable, unwritable or for another
+    job."""
 
 
 def checkpoint_path(directory, shard_id, num_shards):

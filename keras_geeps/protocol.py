@@ -122,7 +122,10 @@ _META_SCHEMA = {
     MsgType.PUSH: {"row_start": int, "row_end": int, "chunk_row": int,
                    "ckpt": int,  # ckpt: the table's durable checkpoint clock
                    "ref": list, "lend": list},
-    MsgType.ACK: {"global_clock": int, "ckpt": int, "existing": bool},
+    # On a CREATE / DECLARE: existing: the shard held the table already;
+    # ready: the table has all its initial rows.
+    MsgType.ACK: {"global_clock": int, "ckpt": int, "existing": bool,
+                  "ready": bool},
     MsgType.ERROR: {"error": str, "code": str},
     MsgType.STATS: {},
     MsgType.STATS_REPLY: {"stats": str},  # JSON text

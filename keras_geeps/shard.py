@@ -361,7 +361,10 @@ class ShardServer:
         num_workers: how many workers the job has.
         settings: a `ShardSettings`. Defaults to `ShardSettings()`.
         restore: load `settings.checkpoint_dir`'s checkpoint first; workers
-            then replay the updates it does not cover. Defaults to False.
+            then replay the updates it does not cover (and create again the
+            tables it does not hold yet). Defaults to False; without it, a
+            shard with a `checkpoint_dir` writes an empty checkpoint there
+            before it serves.
         curve: (secret_key_file, allowed_clients_dir) to require CURVE
             keys (see `keras_geeps.auth`). Defaults to None (no
             authentication). Workers then say HELLO over CURVE and send
@@ -438,6 +441,8 @@ class ShardServer:
                 self._arena = shm.Arena()
             if restore:
                 self._restore()
+            elif self.settings.checkpoint_dir:
+                self._write_empty_checkpoint()
         except BaseException:  # nothing left open: no thread, no port
             self._close()
             raise
@@ -968,10 +973,12 @@ class ShardServer:
             table.data[rows] = array
             table.initialised[rows] = True
             row += array.shape[0]
-        self._send(identity, self._table_ack(table, message.seq))
-        if not table.ready and table.initialised.all():
+        complete = not table.ready and table.initialised.all()
+        if complete:
             table.ready = True
             table.initialised = None
+        self._send(identity, self._table_ack(table, message.seq))
+        if complete:
             self._maybe_snapshot(table, 0, table.data)  # restorable at once
             for worker in table.subscribers:
                 if worker != message.worker:
@@ -989,7 +996,8 @@ class ShardServer:
 
     @staticmethod
     def _table_ack(table, seq, existing=False):
-        meta = {"global_clock": table.global_clock, "ckpt": table.ckpt_clock}
+        meta = {"global_clock": table.global_clock, "ckpt": table.ckpt_clock,
+                "ready": table.ready}
         if existing:
             meta["existing"] = True
         return Message(MsgType.ACK, table=table.id, seq=seq, meta=meta)
@@ -1028,9 +1036,12 @@ class ShardServer:
 
     def _update(self, identity, message):
         table = self._tables.get(message.table)
-        if table is None or not table.ready:
+        if table is None:
             raise RequestError(f"update of table {message.table}, which is "
-                               f"not created (or not initialised) here")
+                               f"not created (or declared) here")
+        # A table whose initial rows have not all come yet (a worker's
+        # replay to a shard restored without it) holds the updates as
+        # deltas: the clock waits for the rows anyway (`_maybe_advance`).
         worker, clk = message.worker, message.clk
         current = int(table.vclock[worker])
         if clk != current:
@@ -1083,7 +1094,8 @@ class ShardServer:
                     f"{self._held_bytes()} bytes held, "
                     f"{sum(t.pool.nbytes for t in self._tables.values())} "
                     f"of them still being sent to slow readers)")
-            base = table.data if clk == table.global_clock else None
+            base = table.data if table.ready and \
+                clk == table.global_clock else None
             pending = table.pending[clk] = _Pending(table.pool.get(), base)
         if indexed:
             pending.add_indexed(index, rows)
@@ -1358,6 +1370,19 @@ class ShardServer:
         except OSError:
             log.exception("shard %d: writing the checkpoint failed",
                           self.shard_id)
+
+    def _write_empty_checkpoint(self):
+        """A checkpoint of no tables, written before serving: a shard killed
+        before it wrote any table restores empty (its workers then create
+        the tables again and replay), while --restore from a folder that
+        never held this shard's checkpoint still fails, naming it."""
+        try:
+            checkpoint.write(self.settings.checkpoint_dir, self.shard_id,
+                             self.num_shards, self.num_workers, {})
+        except OSError as exc:
+            raise checkpoint.CheckpointError(
+                f"cannot write checkpoints to "
+                f"{self.settings.checkpoint_dir}: {exc}") from exc
 
     def _restore(self):
         tables = checkpoint.load(self.settings.checkpoint_dir, self.shard_id,

@@ -95,6 +95,44 @@ def _read(peer, clk=0):
     return reply.arrays[0]
 
 
+def test_updates_before_the_initial_rows_wait_for_them():
+    """Worker 1's updates of clocks 0 and 1 reach a declared table before
+    worker 0's CREATE (a replay to a shard restored without the table):
+    they are kept as deltas and land on the initial rows."""
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 2).start()
+    peers = [RawPeer(server.address, w) for w in range(2)]
+    try:
+        for p in peers:
+            assert p.ask(MsgType.HELLO, meta={
+                "num_workers": 2, "num_shards": 1}).type == MsgType.WELCOME
+        other, creator = peers[1], peers[0]
+        ack = other.ask(MsgType.DECLARE, table=0, meta=SPEC)
+        assert ack.type == MsgType.ACK and ack.meta["ready"] is False
+        for clk in range(2):
+            other.send(other.message(MsgType.UPDATE, table=0, clk=clk,
+                                     arrays=[np.full((4, 3), 2.0 + clk,
+                                                     np.float32)]))
+            assert other.ask(MsgType.CLOCK, table=0,
+                             clk=clk).type == MsgType.ACK
+        init = np.arange(12, dtype=np.float32).reshape(4, 3)
+        ack = creator.ask(MsgType.CREATE, table=0, arrays=[init],
+                          meta=dict(SPEC, chunk_row=0))
+        assert ack.type == MsgType.ACK and ack.meta["ready"] is True
+        for clk, total in enumerate([3, 7]):  # 2 + 1, then 3 + 1 more
+            creator.send(creator.message(MsgType.UPDATE, table=0, clk=clk,
+                                         arrays=[np.ones((4, 3),
+                                                         np.float32)]))
+            assert creator.ask_past_pushes(MsgType.CLOCK, table=0,
+                                           clk=clk).type == MsgType.ACK
+            creator.drain()  # the push
+            np.testing.assert_array_equal(_read(creator, clk=clk + 1),
+                                          init + total)
+    finally:
+        for p in peers:
+            p.close()
+        server.stop()
+
+
 def test_resent_update_is_applied_once(shard, peer):
     delta = np.ones((4, 3), np.float32)
     frames = peer.send(peer.message(MsgType.UPDATE, table=0, clk=0,

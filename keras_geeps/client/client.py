@@ -194,6 +194,10 @@ class Table:
         # durable checkpoint does not cover yet, replayed if it restarts.
         self.log = {}
         self.part_ckpt = np.full(len(parts), -1, np.int64)
+        # part -> the initial rows this worker created it with (read-only),
+        # kept until a durable checkpoint holds the part: a shard that
+        # restarts before then has no copy of them.
+        self.init = {}
         self.lock = threading.Lock()
         self.all_rows = None        # the handle for whole-table access
         self.delivery = None        # a waiting read's _Delivery (`read`)
@@ -608,19 +612,13 @@ class GeePSClient:
                 for part, (_, start, end) in enumerate(parts):
                     table.part_rows[part] = PartRows(
                         [(0, values[start:end].copy())])
-            for part, (shard, start, end) in enumerate(parts):
-                for c0, c1 in protocol.row_chunks(end - start, width,
-                                                  dtype.itemsize,
-                                                  self.chunk_bytes):
-                    meta = {"name": name, "rows": rows, "width": width,
-                            "dtype": dtype.name, "row_start": start,
-                            "row_end": end, "chunk_row": c0}
-                    rows_ = table.part_rows[part].chunks[0][1]
-                    arrays = ([rows_[c0:c1]]
-                              if c1 > c0 else [])
-                    requests.append((shard, Message(
-                        MsgType.CREATE, table.id, arrays=arrays,
-                        meta=self._shm_meta(shard, meta))))
+            for part, (shard, _, _) in enumerate(parts):
+                initial = table.part_rows[part].chunks[0][1]
+                if self._keep_log:  # (read-my-writes adds into the cache's)
+                    table.init[part] = initial.copy() \
+                        if self.read_my_writes else initial
+                requests += [(shard, message) for message in
+                             self._create_messages(table, part, initial)]
         table.all_rows = AccessHandle(-1, "read", table)
         # Registered before the requests: a push may follow the ACK at once.
         self._tables.append(table)
@@ -636,6 +634,7 @@ class GeePSClient:
             # The shards already hold this table (restored from a
             # checkpoint): they push their rows, which replace ours.
             creator = False
+            table.init.clear()
         elif creator:
             with self._cond:
                 table.ages[:] = np.maximum(table.ages, 0)  # our rows: age 0
@@ -646,6 +645,22 @@ class GeePSClient:
             # (an update before the creator's rows arrive would be refused).
             self.wait_fresh(table, clock=table.clock + self.slack)
         return table
+
+    def _create_messages(self, table, part, initial):
+        """The CREATE chunks that give a shard part its initial rows."""
+        shard, start, end = table.parts[part]
+        messages = []
+        for c0, c1 in protocol.row_chunks(end - start, table.width,
+                                          table.dtype.itemsize,
+                                          self.chunk_bytes):
+            meta = {"name": table.name, "rows": table.rows,
+                    "width": table.width, "dtype": table.dtype.name,
+                    "row_start": start, "row_end": end, "chunk_row": c0}
+            messages.append(Message(
+                MsgType.CREATE, table.id,
+                arrays=[initial[c0:c1]] if c1 > c0 else [],
+                meta=self._shm_meta(shard, meta)))
+        return messages
 
     def table(self, name):
         """Returns the table called `name`."""
@@ -732,6 +747,7 @@ class GeePSClient:
         if ckpt > table.part_ckpt[part]:
             with self._clock_lock:
                 table.part_ckpt[part] = ckpt
+                table.init.pop(part, None)  # the checkpoint holds them now
                 covered = int(table.part_ckpt.min())
                 for clk in [c for c in table.log if c < covered]:
                     del table.log[clk]
@@ -899,9 +915,42 @@ class GeePSClient:
             if error is not None:
                 self._fail(error)
                 return
+            if not message.meta.get("ready", True) and \
+                    not self._create_again(shard, table, part):
+                return
             self._replay(shard, table, part, message.meta["global_clock"])
 
         self._io.send_now(shard, declare, Future(declared))
+
+    def _create_again(self, shard, table, part):
+        """A shard restored without `table` (killed before its first
+        checkpoint of it was durable): the initializer sends the initial
+        rows again, before its replay; other workers' replayed updates wait
+        on the shard for them. False (and the client failed) when this
+        worker created the table but a checkpoint had already held it: the
+        shard was restored from another checkpoint than the one it wrote.
+        """
+        initial = table.init.get(part)
+        if initial is None:
+            if self.worker_id != self.initializer:
+                return True
+            self._fail(GeePSError(
+                f"shard {shard} restarted without table {table.name!r}, "
+                f"although it had written it in a checkpoint at clock "
+                f"{table.part_ckpt[part]}: was it restored from another "
+                f"--checkpoint-dir?"))
+            return False
+        log.warning("worker %d: shard %d restarted before a checkpoint held "
+                    "table %r; creating it again", self.worker_id, shard,
+                    table.name)
+        for message in self._create_messages(table, part, initial):
+            message.worker, message.seq = self.worker_id, self._next_seq(shard)
+            self._io.send_now(shard, message, Future(self._on_recreated))
+        return True
+
+    def _on_recreated(self, message, error):
+        if error is not None:
+            self._fail(error)
 
     def _replay(self, shard, table, part, restored_clock):
         _, start, end = table.parts[part]

@@ -1,5 +1,6 @@
 """Shard checkpoints, SIGKILL + restore with replay, worker failure."""
 
+import threading
 import time
 
 import numpy as np
@@ -170,6 +171,81 @@ def _restart(cluster, shard, args):
     victim.kill()
     time.sleep(0.3)
     cluster.shards[shard] = victim.restart(args)
+
+
+def _block_checkpoints(folder):
+    """Makes the shard's checkpoint writes fail from now on (even as root: a
+    file takes the folder's place). Returns the undo."""
+    away = folder.with_name(folder.name + ".away")
+    folder.rename(away)
+    folder.write_bytes(b"")
+
+    def undo():
+        folder.unlink()
+        away.rename(folder)
+    return undo
+
+
+@pytest.mark.parametrize("late_table", [False, True])
+def test_a_table_no_checkpoint_held_yet_is_created_again_and_replayed(
+        tmp_path, process_cluster, late_table):
+    """SIGKILL before any checkpoint held table "t": the restored shard has
+    only the empty checkpoint it wrote at start (or one of an earlier
+    table). The worker that created "t" sends its initial rows again, both
+    workers replay every clock (the other's updates may come first and wait
+    for the rows), and the sums are exact."""
+    folder = tmp_path / "ckpt"
+    args = ["--checkpoint-dir", str(folder), "--checkpoint-every", "3"]
+    cluster = process_cluster(1, 2, shard_args=args, output=None)
+    clocks, kill_at = 8, 4
+    init = np.arange(12, dtype=np.float32).reshape(3, 4)
+    undo, both = {}, threading.Barrier(2, timeout=60)
+
+    def run(w):
+        with cluster.client(w, timeout=60, heartbeat_interval=0.2) as client:
+            tables = []
+            if late_table:
+                tables.append(client.create_table("early", 2, 2))
+                if w == 0:
+                    _wait_for_checkpoint(client, tables[0], 0)
+            both.wait()
+            if w == 0:
+                undo["it"] = _block_checkpoints(folder)
+            both.wait()
+            table = client.create_table("t", 3, 4, init=init)
+            tables.append(table)
+            for clk in range(clocks):
+                client.read(table)
+                for t in tables:
+                    client.update(t, np.full((t.rows, t.width), w + 1,
+                                             np.float32))
+                client.clock()
+                if clk == kill_at and w == 0:
+                    cluster.shards[0].kill()
+                    undo.pop("it")()
+                    cluster.shards[0] = cluster.shards[0].restart(
+                        ["--restore"])
+            reads = [client.read(t, clock=clocks) for t in tables]
+            if w == 0:
+                _wait_for_checkpoint(client, table, 6)
+            both.wait()
+            client.clock()  # its push tells the workers of that checkpoint
+            client.read(table, clock=clocks + 1)
+            assert table.init == {}  # so the creator keeps no copy
+            if w == 0:
+                reads.append(client.shard_stats()[0]["restored_clock"])
+            return reads
+
+    results, errors = run_worker_threads(2, run, timeout=120)
+    assert not errors, errors[0]
+    for w in range(2):
+        np.testing.assert_array_equal(results[w][-1 if w else -2],
+                                      init + clocks * 3)
+        if late_table:
+            np.testing.assert_array_equal(results[w][0],
+                                          np.full((2, 2), clocks * 3.0))
+    # restored from the checkpoint written at start, or early's at clock 0
+    assert results[0][-1] == (0 if late_table else -1)
 
 
 def test_replay_resends_each_clocks_update_from_a_reused_buffer(
