@@ -166,8 +166,9 @@ class _Pending:
 
     For the table's current clock (`base` given) the buffer accumulates
     `base + updates` directly: when the clock completes, it *is* the fresh
-    rows, with no extra pass. For later clocks (SSP) it holds plain deltas
-    until `rebase` makes it absolute. Rows never written hold garbage;
+    rows, with no extra pass. For later clocks (SSP), and for any clock of
+    a table still waiting for its initial rows, it holds plain deltas until
+    `rebase` makes it absolute. Rows never written hold garbage;
     `complete` fills them from `base`.
     """
 
@@ -331,23 +332,38 @@ class _Session:
 
 
 class _SeqTracker:
-    """Which request sequence numbers of one worker have been handled."""
+    """Which request sequence numbers of one worker have been handled.
+
+    A sliding window, like IPsec's anti-replay window (RFC 4303): a
+    worker's requests come over one connection, out of order only by the
+    few its threads number concurrently, so a number more than `WINDOW`
+    below the highest handled counts as handled. Numbers that never come
+    (a recovering worker sends what it held back under new ones) then cost
+    no memory.
+    """
+
+    WINDOW = 1 << 16
 
     def __init__(self, start=0):
         self.upto = start      # every seq <= upto is done
         self.above = set()     # done seqs > upto + 1 (out of order)
+        self.top = start       # the highest done
 
     def seen(self, seq):
         return seq <= self.upto or seq in self.above
 
     def mark(self, seq):
-        if seq == self.upto + 1:
-            self.upto = seq
-            while self.upto + 1 in self.above:
-                self.upto += 1
-                self.above.discard(self.upto)
-        elif seq > self.upto:
+        self.top = max(self.top, seq)
+        if seq > self.upto:
             self.above.add(seq)
+        # Gaps further back than the window will not fill: skipped.
+        floor = self.top - self.WINDOW
+        if floor > self.upto:
+            self.upto = floor
+            self.above = {s for s in self.above if s > floor}
+        while self.upto + 1 in self.above:
+            self.upto += 1
+            self.above.discard(self.upto)
 
 
 class ShardServer:
@@ -1375,10 +1391,19 @@ class ShardServer:
         """A checkpoint of no tables, written before serving: a shard killed
         before it wrote any table restores empty (its workers then create
         the tables again and replay), while --restore from a folder that
-        never held this shard's checkpoint still fails, naming it."""
+        never held this shard's checkpoint still fails, naming it. A
+        checkpoint found there is kept as `<file>.previous`."""
+        directory = self.settings.checkpoint_dir
+        path = checkpoint.checkpoint_path(directory, self.shard_id,
+                                          self.num_shards)
         try:
-            checkpoint.write(self.settings.checkpoint_dir, self.shard_id,
-                             self.num_shards, self.num_workers, {})
+            if os.path.exists(path):  # a restart that forgot --restore
+                os.replace(path, path + ".previous")
+                log.warning("shard %d: started without --restore; moved the "
+                            "checkpoint there to %s.previous", self.shard_id,
+                            path)
+            checkpoint.write(directory, self.shard_id, self.num_shards,
+                             self.num_workers, {})
         except OSError as exc:
             raise checkpoint.CheckpointError(
                 f"cannot write checkpoints to "

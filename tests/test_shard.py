@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from keras_geeps import protocol
 from keras_geeps.errors import GeePSServerError
 from keras_geeps.protocol import Message, MsgType
-from keras_geeps.shard import ShardServer, ShardSettings
+from keras_geeps.shard import ShardServer, ShardSettings, _SeqTracker
 
 
 class RawPeer:
@@ -131,6 +131,26 @@ def test_updates_before_the_initial_rows_wait_for_them():
         for p in peers:
             p.close()
         server.stop()
+
+
+def test_seq_tracker_skips_gaps_older_than_its_window(monkeypatch):
+    """Numbers that never come (a recovering worker resends what it held
+    under new ones) leave gaps: once the window passes them they count as
+    done, so the tracker's memory stays bounded; within the window, late
+    numbers are still told apart from resends."""
+    monkeypatch.setattr(_SeqTracker, "WINDOW", 8)
+    tracker = _SeqTracker(start=10)
+    for seq in [12, 11, 14]:  # out of order; 13 not yet
+        tracker.mark(seq)
+    assert tracker.seen(11) and tracker.seen(12) and tracker.seen(14)
+    assert not tracker.seen(13) and not tracker.seen(15)
+    for seq in range(15, 100):  # 13 never comes
+        tracker.mark(seq)
+        assert len(tracker.above) <= 8
+    assert tracker.seen(13) and tracker.upto == 99 and not tracker.above
+    tracker.mark(1 << 40)  # a jump far ahead
+    assert tracker.seen(1 << 40) and not tracker.seen((1 << 40) + 1)
+    assert len(tracker.above) <= 8
 
 
 def test_resent_update_is_applied_once(shard, peer):

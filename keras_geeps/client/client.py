@@ -198,6 +198,7 @@ class Table:
         # kept until a durable checkpoint holds the part: a shard that
         # restarts before then has no copy of them.
         self.init = {}
+        self.created_again = False  # init sent again to a restored shard
         self.lock = threading.Lock()
         self.all_rows = None        # the handle for whole-table access
         self.delivery = None        # a waiting read's _Delivery (`read`)
@@ -634,7 +635,8 @@ class GeePSClient:
             # The shards already hold this table (restored from a
             # checkpoint): they push their rows, which replace ours.
             creator = False
-            table.init.clear()
+            if not table.created_again:  # (else: our own rows, sent again)
+                table.init.clear()
         elif creator:
             with self._cond:
                 table.ages[:] = np.maximum(table.ages, 0)  # our rows: age 0
@@ -642,7 +644,7 @@ class GeePSClient:
             table.clock = max((r.meta.get("global_clock", 0)
                                for r in replies), default=0)
             # Creation is collective: return once the initial rows are here
-            # (an update before the creator's rows arrive would be refused).
+            # (a shard would hold an update until the creator's rows came).
             self.wait_fresh(table, clock=table.clock + self.slack)
         return table
 
@@ -926,23 +928,30 @@ class GeePSClient:
         """A shard restored without `table` (killed before its first
         checkpoint of it was durable): the initializer sends the initial
         rows again, before its replay; other workers' replayed updates wait
-        on the shard for them. False (and the client failed) when this
-        worker created the table but a checkpoint had already held it: the
-        shard was restored from another checkpoint than the one it wrote.
+        on the shard for them. False (and the client failed) when nobody
+        can: a checkpoint had held the table (the shard was started without
+        --restore, or from another folder), or its creator no longer holds
+        its initial rows.
         """
         initial = table.init.get(part)
         if initial is None:
-            if self.worker_id != self.initializer:
-                return True
-            self._fail(GeePSError(
-                f"shard {shard} restarted without table {table.name!r}, "
-                f"although it had written it in a checkpoint at clock "
-                f"{table.part_ckpt[part]}: was it restored from another "
-                f"--checkpoint-dir?"))
+            ckpt = int(table.part_ckpt[part])
+            if ckpt >= 0:
+                reason = (f"which a checkpoint at clock {ckpt} held: was it "
+                          f"started without --restore, or from another "
+                          f"--checkpoint-dir?")
+            elif self.worker_id == self.initializer:
+                reason = ("and this worker, its creator, no longer holds "
+                          "its initial rows")
+            else:
+                return True  # the initializer sends them
+            self._fail(GeePSError(f"shard {shard} restarted without table "
+                                  f"{table.name!r}, {reason}"))
             return False
         log.warning("worker %d: shard %d restarted before a checkpoint held "
                     "table %r; creating it again", self.worker_id, shard,
                     table.name)
+        table.created_again = True
         for message in self._create_messages(table, part, initial):
             message.worker, message.seq = self.worker_id, self._next_seq(shard)
             self._io.send_now(shard, message, Future(self._on_recreated))

@@ -248,6 +248,40 @@ def test_a_table_no_checkpoint_held_yet_is_created_again_and_replayed(
     assert results[0][-1] == (0 if late_table else -1)
 
 
+def test_a_restart_without_restore_keeps_the_checkpoint_and_says_so(
+        tmp_path, process_cluster):
+    """Restarting a killed shard without --restore: its checkpoint is kept
+    as .previous (not overwritten), and the worker fails naming the
+    mistake instead of waiting."""
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    cluster = process_cluster(1, 1, shard_args=args, output=None)
+    with cluster.client(0, timeout=20, heartbeat_interval=0.2) as client:
+        t = client.create_table("t", 4, 4, init=np.ones((4, 4)))
+        for _ in range(3):
+            client.update(t, np.ones((4, 4), np.float32))
+            client.clock()
+            client.read(t)
+        _wait_for_checkpoint(client, t, 2)
+        client.update(t, np.ones((4, 4), np.float32))
+        client.clock()  # its push tells the worker of that checkpoint
+        client.read(t)
+        _restart(cluster, 0, [])
+        started = time.monotonic()
+        with pytest.raises(GeePSError, match="started without --restore"):
+            for _ in range(3):
+                client.update(t, np.ones((4, 4), np.float32))
+                client.clock()
+                client.read(t)
+        assert time.monotonic() - started < 10  # not the 20 s timeout
+    kept = checkpoint.load(tmp_path, 0, 1, 1)
+    assert kept == {}  # the restarted shard's own, empty
+    previous = tmp_path / "shard-0-of-1.ckpt.npz.previous"
+    previous.rename(tmp_path / "shard-0-of-1.ckpt.npz")
+    (spec, clock, rows), = checkpoint.load(tmp_path, 0, 1, 1).values()
+    assert clock >= 2
+    np.testing.assert_array_equal(rows, np.full((4, 4), 1.0 + clock))
+
+
 def test_replay_resends_each_clocks_update_from_a_reused_buffer(
         tmp_path, process_cluster):
     # update(copy=False) from one buffer the caller refills every clock (as
