@@ -864,7 +864,8 @@ class GeePSClient:
 
         The shard restored each table at its checkpoint clock g; this worker
         resends its updates and clocks of [g, now) from its log, then its
-        held traffic, minus what the replay already carried. Updates the
+        held traffic, minus what the replay already carried, and the
+        requests callers still wait on (the old shard took them unanswered). Updates the
         checkpoint covers are never resent, those it does not are resent
         once: nothing is lost or applied twice.
         """
@@ -883,6 +884,7 @@ class GeePSClient:
         log.warning("worker %d: shard %d (%s) restarted; recovering",
                     self.worker_id, shard, address)
         self._io.held.add(shard)
+        self._io.requeue_unanswered(shard)
         parts = [(table, part) for table in self._tables
                  for part, (s, _, _) in enumerate(table.parts) if s == shard]
         for table, part in parts:  # a push torn by the restart: dropped

@@ -168,7 +168,23 @@ class IOThread:
         """Holds a request `shard` refused until `shard` is released
         (I/O thread only); it is then sent again, in its original order."""
         self._register(shard, future.request, future)
-        self._backlog[shard].append((None, future.request))
+        if not any(m is future.request for _, m in self._backlog[shard]):
+            self._backlog[shard].append((None, future.request))
+
+    def requeue_unanswered(self, shard):
+        """Holds again every request a caller waits on that went out to
+        `shard` and has no reply (I/O thread only, `shard` held): a
+        restarted shard never answers what its predecessor took, or what a
+        replaced sealed link dropped. `release` sends them anew, first."""
+        waiting = {id(m) for _, _, m in list(self._outbox)}
+        waiting.update(id(m) for _, m in self._backlog[shard])
+        with self._lock:
+            futures = [f for (s, _), f in self._futures.items()
+                       if s == shard and f.callback is None
+                       and id(f.request) not in waiting]
+        for future in futures:
+            self._backlog[shard].append((None, future.request))
+        return len(futures)
 
     def forget(self, futures):
         """Drops the futures of requests nobody waits for any more."""

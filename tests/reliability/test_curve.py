@@ -13,6 +13,8 @@ from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSTimeoutError
 from keras_geeps.launch import LocalCluster
+from tests.reliability.restarts import (ask_across_a_restart,
+                                        counted_to_a_checkpoint)
 from tests.worker_threads import run_worker_threads
 
 
@@ -329,6 +331,26 @@ def test_a_restarted_curve_shard_recovers_with_nothing_lost(
                                           10.0)
             stats = client.shard_stats()[0]
             assert stats["restored_clock"] >= 0 and stats["sealed_in"] > 0
+    finally:
+        cluster.stop()
+
+
+def test_a_request_dropped_with_the_old_sealed_link_is_sent_again(keys):
+    """A STATS request queued on the sealed link to a stopped, then killed
+    shard is dropped with that link when the restored shard welcomes the
+    worker; it is sent again on the new one: answered before the timeout."""
+    cluster = _keyed_cluster(keys, checkpoint=True)
+    try:
+        with cluster.client(0, timeout=30, curve=_worker_keys(keys),
+                            heartbeat_interval=0.2) as client:
+            table = counted_to_a_checkpoint(client)
+            stats, seconds = ask_across_a_restart(client, cluster,
+                                                  client.shard_stats)
+            assert seconds < 15  # not the 30 s timeout
+            assert stats[0]["restored_clock"] == 2
+            client.update(table, np.ones((4, 4), np.float32))
+            client.clock()
+            np.testing.assert_array_equal(client.read(table), 3.0)
     finally:
         cluster.stop()
 

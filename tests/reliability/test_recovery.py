@@ -9,6 +9,9 @@ import pytest
 from keras_geeps import checkpoint, protocol
 from keras_geeps.errors import GeePSError, GeePSWorkerFailedError
 from keras_geeps.launch import LocalCluster
+from tests.reliability.restarts import (ask_across_a_restart,
+                                        counted_to_a_checkpoint,
+                                        wait_for_checkpoint)
 from tests.worker_threads import run_worker_threads
 
 pytestmark = pytest.mark.slow
@@ -155,17 +158,6 @@ def test_dead_worker_continue_mode_and_rejoin(tmp_path):
         cluster.stop()
 
 
-def _wait_for_checkpoint(client, table, clock, timeout=30):
-    """Waits until the shard holding `table` wrote it at `clock` or later."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = client.shard_stats()[table.parts[0][0]]
-        if stats["tables"][str(table.id)]["ckpt_clock"] >= clock:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no checkpoint of {table.name!r} at clock {clock}")
-
-
 def _restart(cluster, shard, args):
     victim = cluster.shards[shard]
     victim.kill()
@@ -207,7 +199,7 @@ def test_a_table_no_checkpoint_held_yet_is_created_again_and_replayed(
             if late_table:
                 tables.append(client.create_table("early", 2, 2))
                 if w == 0:
-                    _wait_for_checkpoint(client, tables[0], 0)
+                    wait_for_checkpoint(client, tables[0], 0)
             both.wait()
             if w == 0:
                 undo["it"] = _block_checkpoints(folder)
@@ -227,7 +219,7 @@ def test_a_table_no_checkpoint_held_yet_is_created_again_and_replayed(
                         ["--restore"])
             reads = [client.read(t, clock=clocks) for t in tables]
             if w == 0:
-                _wait_for_checkpoint(client, table, 6)
+                wait_for_checkpoint(client, table, 6)
             both.wait()
             client.clock()  # its push tells the workers of that checkpoint
             client.read(table, clock=clocks + 1)
@@ -261,7 +253,7 @@ def test_a_restart_without_restore_keeps_the_checkpoint_and_says_so(
             client.update(t, np.ones((4, 4), np.float32))
             client.clock()
             client.read(t)
-        _wait_for_checkpoint(client, t, 2)
+        wait_for_checkpoint(client, t, 2)
         client.update(t, np.ones((4, 4), np.float32))
         client.clock()  # its push tells the worker of that checkpoint
         client.read(t)
@@ -282,6 +274,34 @@ def test_a_restart_without_restore_keeps_the_checkpoint_and_says_so(
     np.testing.assert_array_equal(rows, np.full((4, 4), 1.0 + clock))
 
 
+@pytest.mark.parametrize("request_", ["stats", "create_table"])
+def test_a_request_the_killed_shard_took_is_sent_again_on_recovery(
+        tmp_path, process_cluster, request_):
+    """A request the killed shard took and never answered (its stats; a
+    table's creation, which the recovery also creates again) is sent again
+    to the restored shard: answered well before the timeout."""
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    cluster = process_cluster(1, 1, shard_args=args, output=None)
+    with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
+        t = counted_to_a_checkpoint(client)
+        ask = {"stats": client.shard_stats,
+               "create_table": lambda: client.create_table(
+                   "u", 4, 4, init=np.full((4, 4), 5.0))}[request_]
+        _, seconds = ask_across_a_restart(client, cluster, ask)
+        assert seconds < 15  # not the 30 s timeout
+        assert client.shard_stats()[0]["restored_clock"] == 2
+        client.update(t, np.ones((4, 4), np.float32))
+        if request_ == "create_table":
+            u = client.table("u")
+            client.update(u, np.ones((4, 4), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(t), np.full((4, 4), 3))
+        if request_ == "create_table":
+            # created once (at the clock the job was at), updated once
+            np.testing.assert_array_equal(client.read(u), np.full((4, 4), 6))
+        assert client._io._futures == {}
+
+
 def test_replay_resends_each_clocks_update_from_a_reused_buffer(
         tmp_path, process_cluster):
     # update(copy=False) from one buffer the caller refills every clock (as
@@ -293,7 +313,7 @@ def test_replay_resends_each_clocks_update_from_a_reused_buffer(
         buffer = np.empty((3, 4), np.float32)
         for clk in range(10):
             if clk == 7:  # clocks 4..6 are in the log only
-                _wait_for_checkpoint(client, table, 4)
+                wait_for_checkpoint(client, table, 4)
                 _restart(cluster, 0, ["--restore"])
             buffer[:] = clk + 1
             client.update(table, buffer, copy=False)
@@ -314,7 +334,7 @@ def test_request_refused_by_a_restarted_shard_is_sent_again(
             client.read(t)
             client.update(t, np.ones((4, 4), np.float32))
             client.clock()
-        _wait_for_checkpoint(client, t, 2)
+        wait_for_checkpoint(client, t, 2)
         _restart(cluster, 0, ["--restore"])
         started = time.monotonic()
         # Refused (no HELLO yet): recovery, then the CREATE again.

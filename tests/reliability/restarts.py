@@ -1,0 +1,49 @@
+"""Helpers of the shard-restart tests."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+
+def wait_for_checkpoint(client, table, clock, timeout=30):
+    """Waits until the shard holding `table` wrote it at `clock` or later."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = client.shard_stats()[table.parts[0][0]]
+        if stats["tables"][str(table.id)]["ckpt_clock"] >= clock:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of {table.name!r} at clock {clock}")
+
+
+def ask_across_a_restart(client, cluster, ask):
+    """Calls `ask()` in a thread while the shard is stopped (SIGSTOP: the
+    request waits in its socket), then SIGKILLs it and starts it again
+    with --restore. Returns (ask's result, seconds it took)."""
+    victim = cluster.shards[0]
+    os.kill(victim.process.pid, signal.SIGSTOP)
+    result = {}
+    asking = threading.Thread(target=lambda: result.update(value=ask()))
+    started = time.monotonic()
+    asking.start()
+    time.sleep(0.5)
+    victim.kill()  # (a stopped process dies of SIGKILL too)
+    cluster.shards[0] = victim.restart(["--restore"])
+    asking.join(client.timeout + 5)
+    assert "value" in result, "the request was not answered"
+    return result["value"], time.monotonic() - started
+
+
+def counted_to_a_checkpoint(client, clocks=2):
+    """A 4 x 4 table "t" every clock adds 1 to, for `clocks` clocks, until
+    its shard wrote it at that clock. Returns the table."""
+    table = client.create_table("t", 4, 4)
+    for _ in range(clocks):
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()
+        client.read(table)
+    wait_for_checkpoint(client, table, clocks)
+    return table
