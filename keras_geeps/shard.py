@@ -1583,9 +1583,12 @@ def run_from_args(args):
             raise SystemExit("--curve-secret-key and --curve-allowed-clients"
                              " go together")
         curve = (args.curve_secret_key, args.curve_allowed_clients)
-    server = ShardServer(args.bind, args.shard_id, args.num_shards,
-                         args.num_workers, settings, restore=args.restore,
-                         curve=curve, data_bind=args.data_bind)
+    try:
+        server = ShardServer(args.bind, args.shard_id, args.num_shards,
+                             args.num_workers, settings, restore=args.restore,
+                             curve=curve, data_bind=args.data_bind)
+    except checkpoint.CheckpointError as exc:  # a missing, foreign or
+        raise SystemExit(f"keras-geeps shard: {exc}") from exc  # torn one
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.request_stop())
     data = f" (sealed data {server.data_address})" \

@@ -42,6 +42,16 @@ def test_stats_of_a_dead_address_fails_clearly(process_cluster):
     assert "did not answer within 1.0 s" in result.stderr
 
 
+def test_shard_restore_without_a_checkpoint_fails_in_one_line(tmp_path):
+    result = _cli("shard", "--bind", "tcp://127.0.0.1:0", "--shard-id", "0",
+                  "--num-shards", "1", "--num-workers", "1",
+                  "--checkpoint-dir", str(tmp_path), "--restore")
+    assert result.returncode == 1
+    assert "keras-geeps shard: no checkpoint of shard 0/1 at" in \
+        result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_launch_requires_a_command():
     result = _cli("launch", "--workers", "1", "--shards", "1")
     assert result.returncode == 2
