@@ -198,7 +198,8 @@ class Table:
         # kept until a durable checkpoint holds the part: a shard that
         # restarts before then has no copy of them.
         self.init = {}
-        self.created_again = False  # init sent again to a restored shard
+        self.created_again = set()  # parts whose init went to a shard
+        # restored without them (their rows are still these)
         self.lock = threading.Lock()
         self.all_rows = None        # the handle for whole-table access
         self.delivery = None        # a waiting read's _Delivery (`read`)
@@ -530,6 +531,8 @@ class GeePSClient:
                 raise self._closed_error()
             if self._io.errors:
                 raise self._io.errors.popleft()
+            if future.shard in self._lost:  # (its error went to another)
+                raise GeePSError(self._lost[future.shard])
             if time.monotonic() >= deadline:
                 shard = future.shard
                 hint = (" (if it requires CURVE keys: are this worker's keys"
@@ -595,14 +598,15 @@ class GeePSClient:
         table = Table(len(self._tables), name, rows, width, dtype, parts,
                       self.read_my_writes)
         creator = self.worker_id == self.initializer
-        requests = []
-        for shard, start, end in parts:
+        requests, request_parts = [], []
+        for part, (shard, start, end) in enumerate(parts):
             meta = {"name": name, "rows": rows, "width": width,
                     "dtype": dtype.name, "row_start": start, "row_end": end}
             if not creator:
                 requests.append((shard, Message(MsgType.DECLARE, table.id,
                                                 meta=self._shm_meta(shard,
                                                                     meta))))
+                request_parts.append(part)
         if creator:
             if init is not None:
                 values = np.asarray(init).astype(dtype, copy=False)
@@ -618,8 +622,9 @@ class GeePSClient:
                 if self._keep_log:  # (read-my-writes adds into the cache's)
                     table.init[part] = initial.copy() \
                         if self.read_my_writes else initial
-                requests += [(shard, message) for message in
-                             self._create_messages(table, part, initial)]
+                for message in self._create_messages(table, part, initial):
+                    requests.append((shard, message))
+                    request_parts.append(part)
         table.all_rows = AccessHandle(-1, "read", table)
         # Registered before the requests: a push may follow the ACK at once.
         self._tables.append(table)
@@ -631,15 +636,20 @@ class GeePSClient:
             self._tables.pop()
             del self._by_name[name]
             raise
-        if creator and any(r.meta.get("existing") for r in replies):
-            # The shards already hold this table (restored from a
-            # checkpoint): they push their rows, which replace ours.
-            creator = False
-            if not table.created_again:  # (else: our own rows, sent again)
-                table.init.clear()
-        elif creator:
+        if creator:
+            # Parts a shard held already (restored from a checkpoint, or a
+            # running job this restarted creator joins) come pushed and
+            # replace ours; the others hold our rows, at age 0 (also those
+            # our recovery created again on a shard restored without them).
+            theirs = {part for part, reply in zip(request_parts, replies)
+                      if reply.meta.get("existing")} - table.created_again
             with self._cond:
-                table.ages[:] = np.maximum(table.ages, 0)  # our rows: age 0
+                for part in range(len(parts)):
+                    if part in theirs:
+                        table.init.pop(part, None)
+                    else:
+                        table.ages[part] = max(table.ages[part], 0)
+            creator = not theirs
         if not creator:  # a worker (re)joining a running job starts there
             table.clock = max((r.meta.get("global_clock", 0)
                                for r in replies), default=0)
@@ -865,9 +875,9 @@ class GeePSClient:
         The shard restored each table at its checkpoint clock g; this worker
         resends its updates and clocks of [g, now) from its log, then its
         held traffic, minus what the replay already carried, and the
-        requests callers still wait on (the old shard took them unanswered). Updates the
-        checkpoint covers are never resent, those it does not are resent
-        once: nothing is lost or applied twice.
+        requests callers still wait on (the old shard took them
+        unanswered). Updates the checkpoint covers are never resent, those
+        it does not are resent once: nothing is lost or applied twice.
         """
         if shard in self._recovering or shard in self._lost:
             return
@@ -953,7 +963,7 @@ class GeePSClient:
         log.warning("worker %d: shard %d restarted before a checkpoint held "
                     "table %r; creating it again", self.worker_id, shard,
                     table.name)
-        table.created_again = True
+        table.created_again.add(part)
         for message in self._create_messages(table, part, initial):
             message.worker, message.seq = self.worker_id, self._next_seq(shard)
             self._io.send_now(shard, message, Future(self._on_recreated))

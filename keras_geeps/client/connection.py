@@ -34,10 +34,12 @@ class Future:
     Attributes:
         shard, request: where the request went and the request itself (set
             when it is sent), so that it can be sent again or forgotten.
+        written: True once the I/O thread wrote the request to its socket
+            (and not held it back since).
     """
 
     __slots__ = ("event", "message", "error", "callback", "shard",
-                 "request")
+                 "request", "written")
 
     def __init__(self, callback=None):
         self.event = threading.Event()
@@ -46,6 +48,7 @@ class Future:
         self.callback = callback
         self.shard = None
         self.request = None
+        self.written = False
 
     def set(self, message=None, error=None):
         self.message, self.error = message, error
@@ -150,13 +153,13 @@ class IOThread:
             raise GeePSError(CLOSED)
         frames = protocol.encode(message)
         self._register(shard, message, future)
-        self._outbox.append((shard, frames, message))
+        self._outbox.append((shard, frames, message, future))
         self._ring()
 
     def send_now(self, shard, message, future=None):
         """Sends at once, ahead of held traffic (I/O thread only)."""
         self._register(shard, message, future)
-        self._write(shard, protocol.encode(message), message.type)
+        self._write(shard, protocol.encode(message), message.type, future)
 
     def _register(self, shard, message, future):
         if future is not None:
@@ -168,22 +171,21 @@ class IOThread:
         """Holds a request `shard` refused until `shard` is released
         (I/O thread only); it is then sent again, in its original order."""
         self._register(shard, future.request, future)
-        if not any(m is future.request for _, m in self._backlog[shard]):
-            self._backlog[shard].append((None, future.request))
+        if future.written:  # (else the backlog holds it already)
+            future.written = False
+            self._backlog[shard].append((None, future.request, future))
 
     def requeue_unanswered(self, shard):
         """Holds again every request a caller waits on that went out to
         `shard` and has no reply (I/O thread only, `shard` held): a
         restarted shard never answers what its predecessor took, or what a
         replaced sealed link dropped. `release` sends them anew, first."""
-        waiting = {id(m) for _, _, m in list(self._outbox)}
-        waiting.update(id(m) for _, m in self._backlog[shard])
         with self._lock:
             futures = [f for (s, _), f in self._futures.items()
-                       if s == shard and f.callback is None
-                       and id(f.request) not in waiting]
+                       if s == shard and f.written and f.callback is None]
         for future in futures:
-            self._backlog[shard].append((None, future.request))
+            future.written = False
+            self._backlog[shard].append((None, future.request, future))
         return len(futures)
 
     def forget(self, futures):
@@ -208,15 +210,18 @@ class IOThread:
         # again (`requeue`) go before what was queued after them.
         backlog = sorted(self._backlog.pop(shard, []),
                          key=lambda entry: entry[1].seq)
-        for _, message in backlog:
+        for frames, message, waiter in backlog:
             if drop is not None and drop(message):
                 continue
             with self._lock:
                 future = self._futures.pop((shard, message.seq), None)
+                if frames is None and future is not waiter:
+                    continue  # sent again for a caller who gave up
                 message.seq = next_seq()
                 if future is not None:
                     self._futures[(shard, message.seq)] = future
-            self._write(shard, protocol.encode(message), message.type)
+            self._write(shard, protocol.encode(message), message.type,
+                        future)
 
     def _ring(self):
         with self._doorbell_lock:
@@ -291,9 +296,11 @@ class IOThread:
         self.bytes_out += sum(len(f) for f in frames)
         self._sockets[shard].send_multipart(frames)
 
-    def _write(self, shard, frames, kind):
+    def _write(self, shard, frames, kind, future=None):
         """Sends a message's frames: sealed on the shard's data link once
         it has one (HELLO always goes over the main, CURVE, socket)."""
+        if future is not None:
+            future.written = True
         self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes
                               for f in frames)
         link = self._links.get(shard)
@@ -309,11 +316,11 @@ class IOThread:
 
     def _flush_outbox(self):
         while self._outbox:
-            shard, frames, message = self._outbox.popleft()
+            shard, frames, message, future = self._outbox.popleft()
             if shard in self.held:
-                self._backlog[shard].append((frames, message))
+                self._backlog[shard].append((frames, message, future))
             else:
-                self._write(shard, frames, message.type)
+                self._write(shard, frames, message.type, future)
 
     def _open_link(self, shard, sealed):
         """Starts (or replaces) the sealed data link a WELCOME gave."""

@@ -302,6 +302,30 @@ def test_a_request_the_killed_shard_took_is_sent_again_on_recovery(
         assert client._io._futures == {}
 
 
+def test_a_split_table_created_across_a_restart_keeps_its_rows(
+        tmp_path, process_cluster):
+    """create_table of a table split over two shards, in several chunks,
+    while shard 0 is stopped, killed and restored: the recovery creates
+    its part again, the CREATE chunks sent again find it there, and the
+    creator keeps its own rows (shard 1 never pushes them back to it)."""
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    cluster = process_cluster(2, 1, shard_args=args, output=None)
+    with cluster.client(0, timeout=30, heartbeat_interval=0.2,
+                        chunk_bytes=64 << 10) as client:
+        counted_to_a_checkpoint(client)  # on shard 0
+        init = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)
+        u, seconds = ask_across_a_restart(
+            client, cluster, lambda: client.create_table("u", 512, 256,
+                                                         init=init))
+        assert seconds < 15  # not the 30 s timeout
+        assert [shard for shard, _, _ in u.parts] == [0, 1]
+        np.testing.assert_array_equal(client.read(u), init)
+        client.update(u, np.ones((512, 256), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(u), init + 1)
+        assert client._io._futures == {}
+
+
 def test_replay_resends_each_clocks_update_from_a_reused_buffer(
         tmp_path, process_cluster):
     # update(copy=False) from one buffer the caller refills every clock (as
