@@ -21,7 +21,17 @@ def _cmd_launch(args):
         print("keras-geeps launch: give the worker command after --",
               file=sys.stderr)
         return 2
-    return launch(command, num_workers=args.workers, num_shards=args.shards)
+    shard_args = []
+    if args.checkpoint_dir:
+        shard_args += ["--checkpoint-dir", args.checkpoint_dir,
+                       "--checkpoint-every", str(args.checkpoint_every)]
+    elif args.checkpoint_every:
+        print("keras-geeps launch: --checkpoint-every needs --checkpoint-dir",
+              file=sys.stderr)
+        return 2
+    restarts = args.shard_restarts if args.checkpoint_every > 0 else 0
+    return launch(command, num_workers=args.workers, num_shards=args.shards,
+                  shard_args=shard_args, shard_restarts=restarts)
 
 
 def _ask_all(args, msg_type):
@@ -107,9 +117,19 @@ def build_parser():
 
     launch = sub.add_parser(
         "launch", help="run S shards and N workers on this machine",
-        usage="keras-geeps launch [--workers N] [--shards S] -- COMMAND ...")
+        usage="keras-geeps launch [--workers N] [--shards S] "
+              "[--checkpoint-dir DIR --checkpoint-every K] -- COMMAND ...")
     launch.add_argument("--workers", type=int, default=2)
     launch.add_argument("--shards", type=int, default=2)
+    launch.add_argument("--checkpoint-dir", default=None,
+                        help="the shards' checkpoint folder")
+    launch.add_argument("--checkpoint-every", type=int, default=0,
+                        help="shards snapshot each table every K clocks; "
+                             "with K > 0, a shard that dies is started "
+                             "again from its checkpoint")
+    launch.add_argument("--shard-restarts", type=int, default=3,
+                        help="how many times in all dead shards are "
+                             "started again (with --checkpoint-every > 0)")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_cmd_launch)
 

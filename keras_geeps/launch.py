@@ -85,6 +85,16 @@ def _pump(stream, prefix, sink, lines=None):
     stream.close()
 
 
+def _say(output, line):
+    """Writes one line of the launcher's own to `output` (if it still
+    takes any)."""
+    try:
+        output.write(line + "\n")
+        output.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _prefixed(text, prefix):
     """`text` with `prefix` at its start and after each carriage return."""
     return "\r".join(prefix + part if part else part
@@ -283,7 +293,7 @@ def worker_env(spec, base=None, workers=None):
 
 
 def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
-           shard_args=(), poll_interval=0.1):
+           shard_args=(), poll_interval=0.1, shard_restarts=0):
     """Runs `command` on `num_workers` local workers against local shards.
 
     Args:
@@ -293,10 +303,26 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
         num_shards: how many shard processes. Defaults to 2.
         output: where prefixed output lines go. Defaults to stdout.
         shard_args: extra `keras-geeps shard` flags. Defaults to none.
+        poll_interval: seconds between looks at the processes. Defaults
+            to 0.1.
+        shard_restarts: how many times in all a shard that dies is
+            started again, with `--restore`, on its addresses (its workers
+            then recover; it needs `--checkpoint-dir` and
+            `--checkpoint-every` > 0 in `shard_args`). Defaults to 0: a
+            dead shard stops the job.
 
     Returns:
         0 when every worker exits 0; otherwise the first failing worker's
         exit code (or 1), after stopping everything else.
+
+    Example:
+
+    ```python
+    code = launch(["python", "train.py"], num_workers=2, num_shards=2,
+                  shard_args=["--checkpoint-dir", "/tmp/ckpt",
+                              "--checkpoint-every", "10"],
+                  shard_restarts=3)
+    ```
     """
     cluster = LocalCluster(num_shards, num_workers, processes=True,
                            output=output, shard_args=shard_args)
@@ -327,11 +353,25 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                                f"{code}", code if code > 0 else 1)
                     break
             if failure is None:
-                for shard in cluster.shards:
-                    if shard.process.poll() is not None:
-                        failure = (f"shard {shard.shard_id} (pid "
-                                   f"{shard.process.pid}) died with code "
-                                   f"{shard.process.returncode}", 1)
+                for index, shard in enumerate(cluster.shards):
+                    if shard.process.poll() is None:
+                        continue
+                    died = (f"shard {shard.shard_id} (pid "
+                            f"{shard.process.pid}) died with code "
+                            f"{shard.process.returncode}")
+                    if shard_restarts <= 0:
+                        failure = (died, 1)
+                        break
+                    shard_restarts -= 1
+                    _say(output, f"[launch] {died}; starting it again with "
+                                 f"--restore ({shard_restarts} restarts "
+                                 f"left)")
+                    try:
+                        cluster.shards[index] = shard.restart(["--restore"])
+                    except GeePSError as exc:
+                        failure = (f"{died}, and did not start again: "
+                                   f"{exc}", 1)
+                        break
             if failure is None and all(code == 0 for code in codes):
                 break
             time.sleep(poll_interval)
@@ -355,12 +395,8 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
             pump.join(2.0)
         cluster.stop()
     if failure is not None:
-        try:
-            output.write(f"keras-geeps launch: {failure[0]}; stopped the "
-                         f"other processes\n")
-            output.flush()
-        except (OSError, ValueError):
-            pass
+        _say(output, f"keras-geeps launch: {failure[0]}; stopped the other "
+                     f"processes")
         return failure[1]
     return 0
 

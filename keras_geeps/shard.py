@@ -1500,7 +1500,7 @@ class ShardServer:
                 "pending_clocks": sorted(table.pending),
                 "ckpt_clock": table.ckpt_clock,
             }
-        return dict(self.stats, shard_id=self.shard_id,
+        return dict(self.stats, shard_id=self.shard_id, pid=os.getpid(),
                     num_shards=self.num_shards, num_workers=self.num_workers,
                     tables=tables, held_bytes=self._held_bytes(),
                     workers=sorted(self._identities),

@@ -81,6 +81,50 @@ def test_launch_runs_workers_and_exits_zero(tmp_path):
     assert "[worker 0]" in result.stdout and "[worker 1]" in result.stdout
 
 
+def test_launch_starts_a_killed_shard_again_and_loses_nothing(tmp_path):
+    """SIGKILL one of two shards mid-job (a worker does it: the shard's
+    stats give its pid): `launch --checkpoint-every` starts it again with
+    --restore, the workers recover, and every update counts once."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, signal, numpy as np\n"
+        "from keras_geeps.client import GeePSClient\n"
+        "c = GeePSClient(timeout=60, heartbeat_interval=0.2)\n"
+        "a, b = c.create_table('a', 2, 2), c.create_table('b', 2, 2)\n"
+        "for clk in range(12):\n"
+        "    for t in (a, b):\n"
+        "        c.read(t); c.update(t, np.ones((2, 2), np.float32))\n"
+        "    c.clock()\n"
+        "    if clk == 5 and c.worker_id == 0:\n"
+        "        os.kill(c.shard_stats()[1]['pid'], signal.SIGKILL)\n"
+        "print('final', c.read(a, clock=12)[0, 0], c.read(b, clock=12)[0, 0],"
+        " flush=True)\n")
+    result = _cli("launch", "--workers", "2", "--shards", "2",
+                  "--checkpoint-dir", str(tmp_path / "ckpt"),
+                  "--checkpoint-every", "2", "--", sys.executable,
+                  str(script), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("final 24.0 24.0") == 2
+    assert "[launch] shard 1 (pid" in result.stdout
+    assert "starting it again with --restore (2 restarts left)" in \
+        result.stdout
+
+
+def test_launch_without_checkpoints_stops_when_a_shard_dies(tmp_path):
+    result = _launch(
+        tmp_path,
+        "import os, signal, time\n"
+        "from keras_geeps.client import GeePSClient\n"
+        "c = GeePSClient(timeout=20)\n"
+        "c.create_table('t', 2, 2)\n"
+        "if c.worker_id == 0:\n"
+        "    os.kill(c.shard_stats()[0]['pid'], signal.SIGKILL)\n"
+        "time.sleep(30)\n", 1, 1)
+    assert result.returncode == 1
+    assert "shard 0 (pid" in result.stdout and "died with code -9" in \
+        result.stdout
+
+
 def test_checkpoint_on_request(process_cluster, tmp_path):
     cluster = process_cluster(1, 1, shard_args=[
         "--checkpoint-dir", str(tmp_path)])
