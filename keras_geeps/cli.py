@@ -21,6 +21,10 @@ def _cmd_launch(args):
         print("keras-geeps launch: give the worker command after --",
               file=sys.stderr)
         return 2
+    if args.checkpoint_every < 0 or args.shard_restarts < 0:
+        print("keras-geeps launch: --checkpoint-every and --shard-restarts "
+              "must be >= 0", file=sys.stderr)
+        return 2
     shard_args = []
     if args.checkpoint_dir:
         shard_args += ["--checkpoint-dir", args.checkpoint_dir,

@@ -145,24 +145,34 @@ class ShardProcess:
             target=_pump, args=(self.process.stdout, f"[shard {shard_id}] ",
                                 output, lines), daemon=True)
         self._pump.start()
-        deadline = time.monotonic() + start_timeout
         self.address = self.data_address = None
+        try:
+            self._wait_ready(lines, start_timeout)
+        except BaseException:  # (a signal meanwhile too): none left behind
+            self.kill()
+            raise
+        lines.done = True  # later lines only go to `output`
+
+    def _wait_ready(self, lines, start_timeout):
+        deadline = time.monotonic() + start_timeout
         while self.address is None:
             remaining = deadline - time.monotonic()
             try:
                 line = lines.get(timeout=max(0.01, min(remaining, 0.5)))
             except queue.Empty:
-                if self.process.poll() is not None or remaining <= 0:
-                    self.kill()
+                if self.process.poll() is not None:
                     raise GeePSError(
-                        f"shard {shard_id} did not start (exit code "
-                        f"{self.process.returncode}, waited "
-                        f"{start_timeout:.0f} s)")
+                        f"shard {self.shard_id} exited with code "
+                        f"{self.process.returncode} before serving (its "
+                        f"output says why)") from None
+                if remaining <= 0:
+                    raise GeePSError(
+                        f"shard {self.shard_id} did not start serving "
+                        f"within {start_timeout:.0f} s") from None
                 continue
             match = _READY.search(line)
             if match:
                 self.address, self.data_address = match.groups()
-        lines.done = True  # later lines only go to `output`
 
     def terminate(self, timeout=10.0):
         """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
@@ -183,12 +193,16 @@ class ShardProcess:
     def restart(self, extra_args=()):
         """A new shard process on the same address (after `kill`)."""
         shard_id, num_shards, num_workers, args = self.args
+        args = list(args)
+        if "--data-bind" in args:  # (set by an earlier restart)
+            at = args.index("--data-bind")
+            del args[at:at + 2]
         if self.data_address:  # the same sealed data address too
-            args += ("--data-bind", self.data_address)
+            args += ["--data-bind", self.data_address]
+        args += [a for a in extra_args if a not in args]
         # (a port briefly taken meanwhile: the shard retries its bind)
-        return ShardProcess(shard_id, num_shards, num_workers,
-                            args + tuple(extra_args), self.output,
-                            bind=self.address)
+        return ShardProcess(shard_id, num_shards, num_workers, args,
+                            self.output, bind=self.address)
 
 
 class LocalCluster:
@@ -359,7 +373,8 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                     died = (f"shard {shard.shard_id} (pid "
                             f"{shard.process.pid}) died with code "
                             f"{shard.process.returncode}")
-                    if shard_restarts <= 0:
+                    # (code 0: it was stopped on purpose, not to restart)
+                    if shard_restarts <= 0 or shard.process.returncode == 0:
                         failure = (died, 1)
                         break
                     shard_restarts -= 1

@@ -91,6 +91,9 @@ class ShardSettings:
         if on_worker_failure not in ("stop", "continue"):
             raise ValueError(f"on_worker_failure must be 'stop' or "
                              f"'continue', not {on_worker_failure!r}")
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, not "
+                             f"{checkpoint_every}")
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         self.checkpoint_dir = checkpoint_dir
@@ -1564,16 +1567,18 @@ def run_from_args(args):
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s "
                                "%(message)s")
-    settings = ShardSettings(max_message_bytes=args.max_message_bytes,
-                             max_tables=args.max_tables,
-                             max_table_bytes=args.max_table_bytes,
-                             max_pending_clocks=args.max_pending_clocks,
-                             checkpoint_dir=args.checkpoint_dir,
-                             checkpoint_every=args.checkpoint_every,
-                             worker_timeout=args.worker_timeout,
-                             on_worker_failure=args.on_worker_failure,
-                             shared_memory=False if args.no_shared_memory
-                             else None)
+    try:
+        settings = ShardSettings(
+            max_message_bytes=args.max_message_bytes,
+            max_tables=args.max_tables, max_table_bytes=args.max_table_bytes,
+            max_pending_clocks=args.max_pending_clocks,
+            checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every,
+            worker_timeout=args.worker_timeout,
+            on_worker_failure=args.on_worker_failure,
+            shared_memory=False if args.no_shared_memory else None)
+    except ValueError as exc:
+        raise SystemExit(f"keras-geeps shard: {exc}") from exc
     if args.restore and not args.checkpoint_dir:
         raise SystemExit("--restore needs --checkpoint-dir (the folder the "
                          "shard wrote its checkpoints to)")

@@ -50,6 +50,11 @@ def test_shard_restore_without_a_checkpoint_fails_in_one_line(tmp_path):
     assert "keras-geeps shard: no checkpoint of shard 0/1 at" in \
         result.stderr
     assert "Traceback" not in result.stderr
+    result = _cli("shard", "--shard-id", "0", "--num-shards", "1",
+                  "--num-workers", "1", "--checkpoint-dir", str(tmp_path),
+                  "--checkpoint-every", "-2")
+    assert result.returncode == 1
+    assert "checkpoint_every must be >= 0, not -2" in result.stderr
 
 
 def test_launch_requires_a_command():
@@ -82,9 +87,10 @@ def test_launch_runs_workers_and_exits_zero(tmp_path):
 
 
 def test_launch_starts_a_killed_shard_again_and_loses_nothing(tmp_path):
-    """SIGKILL one of two shards mid-job (a worker does it: the shard's
-    stats give its pid): `launch --checkpoint-every` starts it again with
-    --restore, the workers recover, and every update counts once."""
+    """SIGKILL one of two shards mid-job, twice (a worker does it: the
+    shard's stats give its pid): `launch --checkpoint-every` starts it
+    again with --restore each time, the workers recover, and every update
+    counts once."""
     script = tmp_path / "w.py"
     script.write_text(
         "import os, signal, numpy as np\n"
@@ -95,7 +101,7 @@ def test_launch_starts_a_killed_shard_again_and_loses_nothing(tmp_path):
         "    for t in (a, b):\n"
         "        c.read(t); c.update(t, np.ones((2, 2), np.float32))\n"
         "    c.clock()\n"
-        "    if clk == 5 and c.worker_id == 0:\n"
+        "    if clk in (3, 8) and c.worker_id == 0:\n"
         "        os.kill(c.shard_stats()[1]['pid'], signal.SIGKILL)\n"
         "print('final', c.read(a, clock=12)[0, 0], c.read(b, clock=12)[0, 0],"
         " flush=True)\n")
@@ -106,8 +112,11 @@ def test_launch_starts_a_killed_shard_again_and_loses_nothing(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("final 24.0 24.0") == 2
     assert "[launch] shard 1 (pid" in result.stdout
-    assert "starting it again with --restore (2 restarts left)" in \
-        result.stdout
+    for left in (2, 1):
+        assert f"starting it again with --restore ({left} restarts left)" \
+            in result.stdout
+    result = _cli("launch", "--checkpoint-every", "-1", "--", "true")
+    assert result.returncode == 2 and "must be >= 0" in result.stderr
 
 
 def test_launch_without_checkpoints_stops_when_a_shard_dies(tmp_path):

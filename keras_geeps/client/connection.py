@@ -215,8 +215,8 @@ class IOThread:
                 continue
             with self._lock:
                 future = self._futures.pop((shard, message.seq), None)
-                if frames is None and future is not waiter:
-                    continue  # sent again for a caller who gave up
+                if waiter is not None and future is not waiter:
+                    continue  # a request whose caller gave up meanwhile
                 message.seq = next_seq()
                 if future is not None:
                     self._futures[(shard, message.seq)] = future

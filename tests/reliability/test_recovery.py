@@ -282,13 +282,13 @@ def test_a_request_the_killed_shard_took_is_sent_again_on_recovery(
     to the restored shard: answered well before the timeout."""
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
     cluster = process_cluster(1, 1, shard_args=args, output=None)
-    with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
+    with cluster.client(0, timeout=60, heartbeat_interval=0.2) as client:
         t = counted_to_a_checkpoint(client)
         ask = {"stats": client.shard_stats,
                "create_table": lambda: client.create_table(
                    "u", 4, 4, init=np.full((4, 4), 5.0))}[request_]
         _, seconds = ask_across_a_restart(client, cluster, ask)
-        assert seconds < 15  # not the 30 s timeout
+        assert seconds < 30  # not the 60 s timeout
         assert client.shard_stats()[0]["restored_clock"] == 2
         client.update(t, np.ones((4, 4), np.float32))
         if request_ == "create_table":
@@ -310,14 +310,14 @@ def test_a_split_table_created_across_a_restart_keeps_its_rows(
     creator keeps its own rows (shard 1 never pushes them back to it)."""
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
     cluster = process_cluster(2, 1, shard_args=args, output=None)
-    with cluster.client(0, timeout=30, heartbeat_interval=0.2,
+    with cluster.client(0, timeout=60, heartbeat_interval=0.2,
                         chunk_bytes=64 << 10) as client:
         counted_to_a_checkpoint(client)  # on shard 0
         init = np.arange(512 * 256, dtype=np.float32).reshape(512, 256)
         u, seconds = ask_across_a_restart(
             client, cluster, lambda: client.create_table("u", 512, 256,
                                                          init=init))
-        assert seconds < 15  # not the 30 s timeout
+        assert seconds < 30  # not the 60 s timeout
         assert [shard for shard, _, _ in u.parts] == [0, 1]
         np.testing.assert_array_equal(client.read(u), init)
         client.update(u, np.ones((512, 256), np.float32))
