@@ -34,6 +34,11 @@ from keras_geeps.protocol import Message, MsgType
 
 log = logging.getLogger("keras_geeps.client")
 
+# A recovery whose HELLO has no WELCOME after this long says HELLO again:
+# the shard that took it may have died too, and its successor, which
+# refuses everything before a HELLO, would never answer the old one.
+RECOVERY_HELLO_RETRY_S = 5.0
+
 
 def _same_memory(a, b):
     """True when arrays `a` and `b` are the very same memory (the buffer a
@@ -140,6 +145,17 @@ class _Delivery:
         self.regions = regions
         self.filling = {}  # part -> [age, rows placed] of the arriving push
         self.done = {}     # part -> age of the push its region holds whole
+
+
+class _RecoveryAttempt:
+    """One try at recovering a restarted shard: when its HELLO was sent,
+    and whether the shard answered it (a WELCOME, or a refusal)."""
+
+    __slots__ = ("started", "answered")
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.answered = False
 
 
 def _no_push():
@@ -278,6 +294,7 @@ class GeePSClient:
         self.access_plan = AccessPlan()
         self._clock_lock = threading.Lock()  # clock() vs a recovery replay
         self._recovering = {}  # shard -> DECLAREs still to be answered
+        self._attempts = {}    # shard -> its recovery's _RecoveryAttempt
         self._boundaries = {}  # (shard, table id) -> first clock not replayed
         self._curve = curve
         self._closed = False
@@ -306,7 +323,7 @@ class GeePSClient:
                             on_error=self._on_error_code,
                             worker_id=self.worker_id, curve=self._curve,
                             name=f"geeps-io-w{self.worker_id}",
-                            on_turn=self._flush_releases)
+                            on_turn=self._on_io_turn)
         self._incarnation = int.from_bytes(os.urandom(6), "little")
         welcomes = self._request_all([
             (shard, self._hello_message())
@@ -399,6 +416,11 @@ class GeePSClient:
             self._releases.append, (shard, token, ref[0])))
         self.shm_bytes_in += rows.nbytes
         return rows
+
+    def _on_io_turn(self):
+        self._flush_releases()
+        if self._attempts:
+            self._retry_unwelcomed_recoveries()
 
     def _flush_releases(self):
         """Tells shards which of their buffers this worker let go of."""
@@ -835,7 +857,13 @@ class GeePSClient:
         code = message.meta.get("code")
         text = message.meta.get("error", "")
         if code == protocol.ERROR_HELLO_REQUIRED:
-            self._recover(shard)  # stale requests after a restart land here
+            # Stale requests after a restart land here. Once the shard has
+            # welcomed this recovery's HELLO, it knows this worker: a refusal
+            # after the WELCOME (replies come in order) is from a shard that
+            # restarted again, so the recovery starts over.
+            attempt = self._attempts.get(shard)
+            self._recover(shard, again=attempt is not None
+                          and attempt.answered)
             if future is not None:
                 self._resend_after_recovery(shard, future)
             return
@@ -855,12 +883,13 @@ class GeePSClient:
         at once with the reason it cannot be (I/O thread)."""
         if shard in self._lost:
             future.set(error=GeePSError(self._lost[shard]))
-        elif future.callback is not None or shard not in self._io.held:
-            # One of the recovery's own requests: it restarted once more.
+        elif future.callback is not None:
+            pass  # a recovery's own request: that recovery started over
+        elif shard not in self._io.held:
             future.set(error=GeePSError(
                 f"shard {shard} ({self.cluster.shards[shard]}) refused "
-                f"{future.request.type.name} of worker {self.worker_id}: it "
-                f"restarted again while being recovered"))
+                f"{future.request.type.name} of worker {self.worker_id} (it "
+                f"restarted), and it is not being recovered"))
         else:
             self._io.requeue(shard, future)
 
@@ -869,7 +898,7 @@ class GeePSClient:
         with self._cond:
             self._cond.notify_all()
 
-    def _recover(self, shard):
+    def _recover(self, shard, again=False):
         """A restarted shard: HELLO again, re-declare, replay (I/O thread).
 
         The shard restored each table at its checkpoint clock g; this worker
@@ -878,8 +907,10 @@ class GeePSClient:
         requests callers still wait on (the old shard took them
         unanswered). Updates the checkpoint covers are never resent, those
         it does not are resent once: nothing is lost or applied twice.
+        With `again`, a recovery under way is given up (its late replies
+        are ignored) and started over: the shard restarted once more.
         """
-        if shard in self._recovering or shard in self._lost:
+        if shard in self._lost or (shard in self._recovering and not again):
             return
         address = self.cluster.shards[shard]
         if not self._keep_log:
@@ -891,8 +922,9 @@ class GeePSClient:
             self._lost[shard] = reason
             self._fail(GeePSError(reason))
             return
-        log.warning("worker %d: shard %d (%s) restarted; recovering",
-                    self.worker_id, shard, address)
+        log.warning("worker %d: shard %d (%s) restarted%s; recovering",
+                    self.worker_id, shard, address,
+                    " again while being recovered" if again else "")
         self._io.held.add(shard)
         self._io.requeue_unanswered(shard)
         parts = [(table, part) for table in self._tables
@@ -902,20 +934,35 @@ class GeePSClient:
         self._recovering[shard] = len(parts)
         hello = self._hello_message()
         hello.worker, hello.seq = self.worker_id, self._next_seq(shard)
+        attempt = self._attempts[shard] = _RecoveryAttempt()
 
         def welcomed(message, error):
-            if error is not None:
+            if self._attempts.get(shard) is not attempt:
+                return  # an attempt given up (the shard restarted again)
+            attempt.answered = True
+            if error is not None:  # this worker cannot rejoin: for good
+                self._lost[shard] = (f"recovering shard {shard} ({address}) "
+                                     f"failed: {error}")
                 self._fail(error)
                 return
             self._on_welcome(shard, message)
             if not parts:
                 self._finish_recovery(shard)
             for table, part in parts:
-                self._redeclare(shard, table, part)
+                self._redeclare(shard, table, part, attempt)
 
         self._io.send_now(shard, hello, Future(welcomed))
 
-    def _redeclare(self, shard, table, part):
+    def _retry_unwelcomed_recoveries(self):
+        """Says HELLO again where a recovery's HELLO went unanswered for
+        RECOVERY_HELLO_RETRY_S (I/O thread)."""
+        now = time.monotonic()
+        for shard, attempt in list(self._attempts.items()):
+            if not attempt.answered and \
+                    now - attempt.started > RECOVERY_HELLO_RETRY_S:
+                self._recover(shard, again=True)
+
+    def _redeclare(self, shard, table, part, attempt):
         _, start, end = table.parts[part]
         declare = Message(MsgType.DECLARE, table.id, worker=self.worker_id,
                           seq=self._next_seq(shard),
@@ -926,6 +973,8 @@ class GeePSClient:
                               "row_end": end}))
 
         def declared(message, error):
+            if self._attempts.get(shard) is not attempt:
+                return
             if error is not None:
                 self._fail(error)
                 return
@@ -1012,6 +1061,7 @@ class GeePSClient:
         self._io.release(shard, lambda: self._next_seq(shard),
                          replayed_already)
         del self._recovering[shard]
+        del self._attempts[shard]
         log.warning("worker %d: shard %d recovered", self.worker_id, shard)
 
     # ----------------------------------------------------- reads, updates

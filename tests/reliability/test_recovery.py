@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from keras_geeps import checkpoint, protocol
 from keras_geeps.errors import GeePSError, GeePSWorkerFailedError
@@ -324,6 +325,82 @@ def test_a_split_table_created_across_a_restart_keeps_its_rows(
         client.clock()
         np.testing.assert_array_equal(client.read(u), init + 1)
         assert client._io._futures == {}
+
+
+def _one_that_takes_the_hello_and_dies(address, welcome):
+    """A stand-in shard incarnation on `address`: it refuses everything
+    with hello_required, as a restarted shard does, and closes (dies) on
+    the first HELLO, after a WELCOME if `welcome`, else leaving it
+    unanswered. Returns a thread; join it."""
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    deadline = time.monotonic() + 10
+    while True:  # (the killed shard's port may be briefly taken)
+        try:
+            sock.bind(address)
+            break
+        except zmq.ZMQError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+    def serve():
+        try:
+            while sock.poll(20000):
+                identity, *frames = sock.recv_multipart()
+                message = protocol.decode(frames)
+                if message.type == protocol.MsgType.HELLO:
+                    if welcome:  # (what the worker sends next: lost)
+                        sock.send_multipart([identity, *protocol.encode(
+                            protocol.Message(
+                                protocol.MsgType.WELCOME, seq=message.seq,
+                                meta={"shard_id": 0, "num_shards": 1,
+                                      "num_workers": 1,
+                                      "max_message_bytes": 1 << 30,
+                                      "max_pending_clocks": 64,
+                                      "checkpoint_every": 2}))])
+                    return
+                sock.send_multipart([identity, *protocol.encode(
+                    protocol.Message(protocol.MsgType.ERROR, seq=message.seq,
+                                     meta={"error": "HELLO first",
+                                           "code":
+                                           protocol.ERROR_HELLO_REQUIRED}))])
+        finally:
+            sock.close(linger=2000)
+            context.term()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("welcome", [False, True])
+def test_a_shard_that_dies_again_during_the_recovery_is_recovered(
+        tmp_path, process_cluster, welcome):
+    """The shard is killed; the incarnation that follows takes the
+    recovery's HELLO and dies, at once or right after its WELCOME; the
+    next one (restored) never saw a HELLO. The worker starts over (on the
+    refusal of a request sent after that HELLO, or RECOVERY_HELLO_RETRY_S
+    after an unanswered HELLO) and recovers: nothing lost or applied
+    twice."""
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
+    cluster = process_cluster(1, 1, shard_args=args, output=None)
+    with cluster.client(0, timeout=60, heartbeat_interval=0.2) as client:
+        t = counted_to_a_checkpoint(client)
+        client.update(t, np.ones((4, 4), np.float32))
+        client.clock()  # clock 3: only in the worker's log
+        victim = cluster.shards[0]
+        victim.kill()
+        started = time.monotonic()
+        _one_that_takes_the_hello_and_dies(victim.address, welcome).join(30)
+        cluster.shards[0] = victim.restart(["--restore"])
+        np.testing.assert_array_equal(client.read(t), np.full((4, 4), 3))
+        assert time.monotonic() - started < 30  # not the 60 s timeout
+        client.update(t, np.ones((4, 4), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(t), np.full((4, 4), 4))
+        assert client.shard_stats()[0]["restored_clock"] == 2
 
 
 def test_replay_resends_each_clocks_update_from_a_reused_buffer(
