@@ -149,13 +149,21 @@ class _Delivery:
 
 class _RecoveryAttempt:
     """One try at recovering a restarted shard: when its HELLO was sent,
-    and whether the shard answered it (a WELCOME, or a refusal)."""
+    whether the shard answered it (a WELCOME, or a refusal), and the
+    futures of its requests (forgotten if it is given up)."""
 
-    __slots__ = ("started", "answered")
+    __slots__ = ("started", "answered", "futures")
 
     def __init__(self):
         self.started = time.monotonic()
         self.answered = False
+        self.futures = []
+
+    def future(self, callback):
+        """A `Future` for one of this attempt's requests."""
+        future = Future(callback)
+        self.futures.append(future)
+        return future
 
 
 def _no_push():
@@ -934,6 +942,9 @@ class GeePSClient:
         self._recovering[shard] = len(parts)
         hello = self._hello_message()
         hello.worker, hello.seq = self.worker_id, self._next_seq(shard)
+        given_up = self._attempts.get(shard)
+        if given_up is not None:  # its requests will never be answered
+            self._io.forget(given_up.futures)
         attempt = self._attempts[shard] = _RecoveryAttempt()
 
         def welcomed(message, error):
@@ -951,7 +962,7 @@ class GeePSClient:
             for table, part in parts:
                 self._redeclare(shard, table, part, attempt)
 
-        self._io.send_now(shard, hello, Future(welcomed))
+        self._io.send_now(shard, hello, attempt.future(welcomed))
 
     def _retry_unwelcomed_recoveries(self):
         """Says HELLO again where a recovery's HELLO went unanswered for
@@ -979,13 +990,13 @@ class GeePSClient:
                 self._fail(error)
                 return
             if not message.meta.get("ready", True) and \
-                    not self._create_again(shard, table, part):
+                    not self._create_again(shard, table, part, attempt):
                 return
             self._replay(shard, table, part, message.meta["global_clock"])
 
-        self._io.send_now(shard, declare, Future(declared))
+        self._io.send_now(shard, declare, attempt.future(declared))
 
-    def _create_again(self, shard, table, part):
+    def _create_again(self, shard, table, part, attempt):
         """A shard restored without `table` (killed before its first
         checkpoint of it was durable): the initializer sends the initial
         rows again, before its replay; other workers' replayed updates wait
@@ -1015,7 +1026,8 @@ class GeePSClient:
         table.created_again.add(part)
         for message in self._create_messages(table, part, initial):
             message.worker, message.seq = self.worker_id, self._next_seq(shard)
-            self._io.send_now(shard, message, Future(self._on_recreated))
+            self._io.send_now(shard, message,
+                              attempt.future(self._on_recreated))
         return True
 
     def _on_recreated(self, message, error):

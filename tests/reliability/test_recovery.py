@@ -401,6 +401,7 @@ def test_a_shard_that_dies_again_during_the_recovery_is_recovered(
         client.clock()
         np.testing.assert_array_equal(client.read(t), np.full((4, 4), 4))
         assert client.shard_stats()[0]["restored_clock"] == 2
+        assert client._io._futures == {}  # none left of the given-up try
 
 
 def test_replay_resends_each_clocks_update_from_a_reused_buffer(
