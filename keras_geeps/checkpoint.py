@@ -25,9 +25,10 @@ restored from it (`keras-geeps shard --checkpoint-dir DIR --restore`).
 
 A shard writes a checkpoint of no tables when it starts (without
 --restore; one found there is renamed `<file>.previous`), so one killed
-before its first snapshot was durable restores empty rather than failing. A table the restored checkpoint lacks is created
-again by the worker that created it, which keeps the initial rows until a
-checkpoint holds them, and every worker replays it from clock 0.
+before its first snapshot was durable restores empty rather than failing.
+A table the restored checkpoint lacks is created again by the worker that
+created it, which keeps the initial rows until a checkpoint holds them,
+and every worker replays it from clock 0.
 """
 
 import json

@@ -194,12 +194,15 @@ class ShardProcess:
         """A new shard process on the same address (after `kill`)."""
         shard_id, num_shards, num_workers, args = self.args
         args = list(args)
-        if "--data-bind" in args:  # (set by an earlier restart)
+        if "--data-bind" in args:  # (added by an earlier restart)
             at = args.index("--data-bind")
             del args[at:at + 2]
         if self.data_address:  # the same sealed data address too
             args += ["--data-bind", self.data_address]
-        args += [a for a in extra_args if a not in args]
+        # Appended as given: a flag that repeats an earlier restart's
+        # (--restore) is harmless; dropping "already there" arguments
+        # would also drop a value equal to another flag's.
+        args += list(extra_args)
         # (a port briefly taken meanwhile: the shard retries its bind)
         return ShardProcess(shard_id, num_shards, num_workers, args,
                             self.output, bind=self.address)

@@ -317,6 +317,10 @@ class SealedFrame:
             self._opened = out
         return self._opened
 
+    def open_as(self, dtype, shape):
+        """`open`'s plain frame as an array of `dtype` and `shape`."""
+        return self.open().view(dtype).reshape(shape)
+
     def open_into(self, out):
         """Opens the frame into `out` (a writable buffer of `nbytes`),
         keeping the sealed bytes. If it raises, `out` holds nothing of use.

@@ -1409,8 +1409,7 @@ class ShardServer:
                              self.num_workers, {})
         except OSError as exc:
             raise checkpoint.CheckpointError(
-                f"cannot write checkpoints to "
-                f"{self.settings.checkpoint_dir}: {exc}") from exc
+                f"cannot write checkpoints to {directory}: {exc}") from exc
 
     def _restore(self):
         tables = checkpoint.load(self.settings.checkpoint_dir, self.shard_id,

@@ -34,7 +34,7 @@ from keras_geeps.protocol import Message, MsgType
 
 log = logging.getLogger("keras_geeps.client")
 
-# A recovery whose HELLO has no WELCOME after this long says HELLO again:
+# A recovery whose HELLO has no answer after this long says HELLO again:
 # the shard that took it may have died too, and its successor, which
 # refuses everything before a HELLO, would never answer the old one.
 RECOVERY_HELLO_RETRY_S = 5.0
@@ -122,7 +122,7 @@ class _SealedRows:
 
     def opened(self):
         """The rows, opened in place (once)."""
-        return self.frame.open().view(self.dtype).reshape(self.shape)
+        return self.frame.open_as(self.dtype, self.shape)
 
     def open_into(self, out):
         """Opens the rows into `out` (C-contiguous, of their shape)."""
@@ -218,9 +218,10 @@ class Table:
         # durable checkpoint does not cover yet, replayed if it restarts.
         self.log = {}
         self.part_ckpt = np.full(len(parts), -1, np.int64)
-        # part -> the initial rows this worker created it with (read-only),
-        # kept until a durable checkpoint holds the part: a shard that
-        # restarts before then has no copy of them.
+        # part -> the initial rows this worker created it with (the cache's
+        # own array unless read-my-writes adds into that), kept until a
+        # durable checkpoint holds the part: a shard that restarts before
+        # then has no copy of them.
         self.init = {}
         self.created_again = set()  # parts whose init went to a shard
         # restored without them (their rows are still these)
@@ -428,7 +429,7 @@ class GeePSClient:
     def _on_io_turn(self):
         self._flush_releases()
         if self._attempts:
-            self._retry_unwelcomed_recoveries()
+            self._retry_unanswered_recoveries()
 
     def _flush_releases(self):
         """Tells shards which of their buffers this worker let go of."""
@@ -857,7 +858,7 @@ class GeePSClient:
                 return rows if frame is None else _SealedRows(frame, rows)
         if frame is None:
             return rows
-        return frame.open().view(rows.dtype).reshape(rows.shape)
+        return frame.open_as(rows.dtype, rows.shape)
 
     # ------------------------------------------- failures and recovery
     def _on_error_code(self, shard, message, future):
@@ -964,7 +965,7 @@ class GeePSClient:
 
         self._io.send_now(shard, hello, attempt.future(welcomed))
 
-    def _retry_unwelcomed_recoveries(self):
+    def _retry_unanswered_recoveries(self):
         """Says HELLO again where a recovery's HELLO went unanswered for
         RECOVERY_HELLO_RETRY_S (I/O thread)."""
         now = time.monotonic()

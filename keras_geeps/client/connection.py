@@ -186,7 +186,6 @@ class IOThread:
         for future in futures:
             future.written = False
             self._backlog[shard].append((None, future.request, future))
-        return len(futures)
 
     def forget(self, futures):
         """Drops the futures of requests nobody waits for any more."""
@@ -368,9 +367,9 @@ class IOThread:
                     [opened[0]] + [frame.sealed_view for frame in sealed])
                 if message.type in (MsgType.PUSH, MsgType.ROWS):
                     return message, sealed
-                message.arrays = [
-                    frame.open().view(array.dtype).reshape(array.shape)
-                    for array, frame in zip(message.arrays, sealed)]
+                message.arrays = [frame.open_as(array.dtype, array.shape)
+                                  for array, frame in zip(message.arrays,
+                                                          sealed)]
                 return message, None
             except seal.SealError as exc:
                 log.error("dropped a sealed message from shard %d: %s",
