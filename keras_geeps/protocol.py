@@ -100,9 +100,10 @@ _META_SCHEMA = {
     MsgType.WELCOME: {"shard_id": int, "num_shards": int, "num_workers": int,
                       "max_message_bytes": int, "max_pending_clocks": int,
                       "checkpoint_every": int, "shm": list, "shm_ok": bool,
-                      "sealed": list},
+                      "sealed": list, "incarnation": int},
     # sealed: [data port, session, c2s key, s2c key, connect token] (hex;
-    # keras_geeps.seal)
+    # keras_geeps.seal). incarnation: the shard process's random number (a
+    # worker that says HELLO again tells a reconnect from a restart by it).
     # shm: the worker maps this shard's buffers (rows may come as refs).
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
                      "row_start": int, "row_end": int, "chunk_row": int,

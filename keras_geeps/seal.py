@@ -22,9 +22,11 @@ where each sealed frame is `ciphertext || 32-byte tag` of one frame of
 `protocol.encode(message)`, with nonce `counter || frame index (4 bytes)`
 (zero-padded to 32 bytes) and associated data `MAGIC || session id ||
 counter || frame count`. The sender's counter grows by one per message and
-a receiver accepts only counters above the last it accepted: a frame cannot
-be altered, dropped, reordered, moved to another message or session, or
-replayed without the tag failing or the counter check refusing it. Keys
+a receiver accepts only the counter after the last it accepted: a frame
+cannot be altered, dropped, reordered, moved to another message or session,
+or replayed without the tag failing or the counter check refusing it, and
+a whole message cannot go missing unnoticed (`SealGap`: the next one
+tells, and its owner starts the session over, resending what was lost). Keys
 live only in the two processes' memory, and a new session (every HELLO)
 gets new ones, so no (key, nonce) pair is ever used twice.
 
@@ -75,6 +77,12 @@ STALLED_PACE_S = 0.01
 
 class SealError(Exception):
     """A sealed message that does not open: forged, altered or replayed."""
+
+
+class SealGap(SealError):
+    """A genuine sealed message whose counter skips some: the messages in
+    between were lost (a connection that broke and came back, or one that
+    did not open), so the session cannot go on without losing them."""
 
 
 INSTALL_HINT = ("pip install 'keras-geeps[curve]' (or "
@@ -242,6 +250,9 @@ class Channel:
             SealError: it is not a sealed message of this session, a tag
                 fails (with `defer`: the header's), or its counter is not
                 above the last one opened.
+            SealGap: a genuine message (its header authenticates) whose
+                counter is more than one above the last opened: messages
+                were lost. The counter is not taken.
         """
         if len(frames) < 4 or bytes(frame_view(frames[0])) != MAGIC:
             # (a message has a header frame: with no frame nothing would
@@ -260,7 +271,11 @@ class Channel:
         aad = self._aad(counter, len(body))
         sealed = [SealedFrame(self, aad, self._nonce(counter, index), index,
                               frame) for index, frame in enumerate(body)]
-        opened = [sealed[0].open()] + (
+        header = sealed[0].open()  # authenticates the counter
+        if counter != self.received + 1:
+            raise SealGap(f"counter {counter} follows {self.received}: "
+                          f"{counter - self.received - 1} message(s) lost")
+        opened = [header] + (
             sealed[1:] if defer else [frame.open() for frame in sealed[1:]])
         self.received = counter
         return opened

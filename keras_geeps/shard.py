@@ -411,6 +411,9 @@ class ShardServer:
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.settings = settings or ShardSettings()
+        # This process's number: a worker whose connection broke and came
+        # back tells this shard from a restarted one by it (WELCOME).
+        self.incarnation = int.from_bytes(os.urandom(6), "little")
         self._tables = {}
         self._identities = {}     # worker id -> routing identity
         self._incarnations = {}   # worker id -> incarnation number
@@ -610,19 +613,25 @@ class ShardServer:
     def _dispatch_sealed(self, frames):
         """A sealed message from the data socket: opened, then served as
         from ("sealed", session). Nothing that does not open is answered,
-        except an unknown session (a restarted shard): hello_required."""
+        except an unknown session (a restarted shard) and one that lost
+        messages (`seal.SealGap`: it is ended): hello_required, and the
+        worker's HELLO starts a new session, over which it resends what
+        this shard may not have had."""
         route = frames[0].bytes
         session = self._sessions.get(route)
         if session is None:
-            self.stats["errors"] += 1
-            self._data.send_multipart([route] + protocol.encode(Message(
-                MsgType.ERROR, meta={
-                    "error": "unknown session: say HELLO again (this shard "
-                             "may have restarted)",
-                    "code": protocol.ERROR_HELLO_REQUIRED})))
+            self._hello_required(route, "unknown session: say HELLO again "
+                                        "(this shard may have restarted)")
             return
         try:
             plain = session.channel.open(frames[1:])
+        except seal.SealGap as exc:
+            log.warning("shard %d: ended worker %d's sealed session: %s",
+                        self.shard_id, session.worker, exc)
+            self._end_session(route)
+            self._hello_required(route, f"the session lost messages ({exc})"
+                                        f": say HELLO again")
+            return
         except seal.SealError as exc:
             self.stats["errors"] += 1
             log.warning("shard %d: dropped a sealed message of worker %d: "
@@ -630,6 +639,14 @@ class ShardServer:
             return
         self.stats["sealed_in"] += 1
         self._serve(("sealed", route), plain, session.worker)
+
+    def _hello_required(self, route, error):
+        """Answers a sealed route, in the clear, that it must say HELLO."""
+        self.stats["errors"] += 1
+        self._send_to(self._data, [route] + protocol.encode(Message(
+            MsgType.ERROR, meta={"error": error,
+                                 "code": protocol.ERROR_HELLO_REQUIRED})),
+            False)
 
     def _serve(self, identity, payload, sealed_worker=None):
         message = None
@@ -738,6 +755,9 @@ class ShardServer:
                                protocol.ERROR_HELLO_REQUIRED)
         self._last_seen[worker] = time.monotonic()
         if kind == MsgType.HEARTBEAT:
+            if isinstance(identity, tuple):  # a sealed session's: echoed,
+                # so a message of ours its link lost shows (seal.SealGap)
+                self._send(identity, Message(MsgType.HEARTBEAT))
             return
         if kind == MsgType.RELEASE:
             self._release(worker, message)
@@ -792,7 +812,8 @@ class ShardServer:
         if self._started is None:
             self._started = self._last_seen[worker]
         welcome = {
-            "shard_id": self.shard_id, "num_shards": self.num_shards,
+            "shard_id": self.shard_id, "incarnation": self.incarnation,
+            "num_shards": self.num_shards,
             "num_workers": self.num_workers,
             "max_message_bytes": self.settings.max_message_bytes,
             "max_pending_clocks": self.settings.max_pending_clocks,
@@ -818,8 +839,7 @@ class ShardServer:
         replies go there from now on. Returns WELCOME's `sealed` field."""
         for old in [k for k, v in self._sessions.items()
                     if v.worker == worker]:
-            self._sessions.pop(old).sender.close()
-            self._session_tokens.pop(old.hex(), None)
+            self._end_session(old)
         keys = seal.new_session()
         if self._seal_buffers is None:  # one pool: all seal in this thread
             self._seal_buffers = seal.Buffers()
@@ -835,6 +855,12 @@ class ShardServer:
         port = int(self.data_address.rsplit(":", 1)[1])
         return [port, route.hex(), keys["c2s"].hex(), keys["s2c"].hex(),
                 token]
+
+    def _end_session(self, route):
+        """Ends a sealed session: what it held back is dropped, its route
+        is refused from now on."""
+        self._sessions.pop(route).sender.close()
+        self._session_tokens.pop(route.hex(), None)
 
     def _pump_sealed(self):
         """Seals what the sessions' senders hold back once ZeroMQ has sent

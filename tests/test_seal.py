@@ -77,8 +77,9 @@ def test_received_frames_open_in_place(pair):
     forged[4].buffer[7] ^= 1
     with pytest.raises(seal.SealError, match="authenticate"):
         shard.open(forged)
-    assert bytes(shard.open(_received(worker.seal(_frames())))[0]) == \
-        b"a header"
+    # It was not taken: the next genuine one tells it is missing.
+    with pytest.raises(seal.SealGap):
+        shard.open(_received(worker.seal(_frames())))
 
 
 def test_read_only_frames_open_into_aligned_buffers(pair):
@@ -205,6 +206,7 @@ def test_seal_buffers_are_reused_only_when_nothing_holds_them(pair):
     small = pool.take(100)
     del small
     assert pool.nbytes == 0
+    shard.received = worker.sent  # (the 200 above were never sent)
     opened = shard.open(worker.seal([b"h", rows]))
     np.testing.assert_array_equal(opened[1].view(np.float32), rows)
 
@@ -228,10 +230,14 @@ def _flip(frame, at):
 ])
 def test_tampered_messages_do_not_open(pair, tamper, why):
     worker, shard = pair
-    with pytest.raises(seal.SealError, match=why):
+    with pytest.raises(seal.SealError, match=why) as raised:
         shard.open(tamper(worker.seal(_frames())))
-    # The channel goes on: the next genuine message opens.
-    assert bytes(shard.open(worker.seal(_frames()))[0]) == b"a header"
+    assert not isinstance(raised.value, seal.SealGap)
+    # Nothing was taken from it: the next genuine message tells that one
+    # is missing, and a resend of the same counter would open.
+    with pytest.raises(seal.SealGap):
+        shard.open(worker.seal(_frames()))
+    assert shard.received == 0
 
 
 def test_a_message_without_frames_cannot_move_the_counter(pair):
@@ -243,7 +249,9 @@ def test_a_message_without_frames_cannot_move_the_counter(pair):
     with pytest.raises(seal.SealError, match="not a sealed"):
         shard.open(cut)
     assert shard.received == 0
-    assert bytes(shard.open(worker.seal(_frames()))[0]) == b"a header"
+    # The genuine one it was cut from is missing: the next tells.
+    with pytest.raises(seal.SealGap):
+        shard.open(worker.seal(_frames()))
     with pytest.raises(ValueError):
         worker.seal([])
 
@@ -251,10 +259,28 @@ def test_a_message_without_frames_cannot_move_the_counter(pair):
 def test_replayed_and_reordered_messages_do_not_open(pair):
     worker, shard = pair
     first, second = worker.seal(_frames()), worker.seal(_frames())
+    shard.open(first)
     shard.open(second)
     for again in (first, second):
         with pytest.raises(seal.SealError, match="not above"):
             shard.open(again)
+
+
+def test_a_lost_message_is_told_by_the_next(pair):
+    """A genuine message whose counter skips one raises SealGap and is not
+    taken: the message in between is gone (a connection that broke)."""
+    worker, shard = pair
+    shard.open(worker.seal(_frames()))
+    worker.seal(_frames())  # lost on the way
+    third = worker.seal(_frames())
+    with pytest.raises(seal.SealGap, match="counter 3 follows 1: 1 message"):
+        shard.open(third)
+    assert shard.received == 1
+    # A forged "gap" does not authenticate: it cannot end a session.
+    forged = worker.seal(_frames())
+    forged[3] = _flip(forged[3], 0)
+    with pytest.raises(seal.SealError, match="authenticate"):
+        shard.open(forged)
 
 
 def test_the_other_directions_key_does_not_open(pair):

@@ -229,6 +229,57 @@ def test_limits_refuse_excess(shard, peer):
     assert "max_tables" in reply.meta["error"]
 
 
+def test_a_new_connection_of_the_same_worker_resends_exactly_once():
+    """Worker 0's connection breaks (a new DEALER: a new routing id). The
+    shard refuses it until its HELLO, whose WELCOME carries the same
+    shard incarnation; then an update it had under that number is dropped
+    and one it never got is applied: the sum counts each once."""
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1).start()
+    other = ShardServer("tcp://127.0.0.1:0", 0, 1, 1).start()
+    old, new = RawPeer(server.address), RawPeer(server.address)
+    hello = {"num_workers": 1, "num_shards": 1, "incarnation": 7}
+    ones = [np.ones((4, 3), np.float32)]
+
+    def send(peer, kind, seq, **kwargs):
+        peer.send(Message(kind, seq=seq, worker=0, **kwargs))
+
+    try:
+        send(old, MsgType.HELLO, 1, meta=hello)
+        welcome = old.recv()
+        incarnation = welcome.meta["incarnation"]
+        send(old, MsgType.CREATE, 2, table=0, meta=dict(SPEC, chunk_row=0),
+             arrays=[np.zeros((4, 3), np.float32)])
+        assert old.recv().type == MsgType.ACK
+        send(old, MsgType.UPDATE, 3, table=0, clk=0, arrays=ones)
+        # (seq 4, an update of the same clock, was lost with the connection)
+        send(new, MsgType.UPDATE, 5, table=0, clk=0, arrays=ones)
+        refusal = new.recv()
+        assert refusal.meta["code"] == protocol.ERROR_HELLO_REQUIRED
+        send(new, MsgType.HELLO, 6, meta=hello)
+        again = new.recv()
+        assert again.meta["incarnation"] == incarnation  # not a restart
+        for seq in (3, 4, 5):  # everything not acknowledged, as numbered
+            send(new, MsgType.UPDATE, seq, table=0, clk=0, arrays=ones)
+        send(new, MsgType.CLOCK, 7, table=0, clk=0)
+        replies = [r for r in new.drain() if r.type == MsgType.ACK]
+        assert [r.seq for r in replies] == [7]
+        send(new, MsgType.READ, 8, table=0, clk=1)
+        rows = [r for r in new.drain() if r.type == MsgType.ROWS]
+        np.testing.assert_array_equal(rows[-1].arrays[0], 3.0)  # not 4
+        assert server.stats["duplicates"] == 1
+        elsewhere = RawPeer(other.address)  # another shard: another number
+        try:
+            send(elsewhere, MsgType.HELLO, 1, meta=hello)
+            assert elsewhere.recv().meta["incarnation"] != incarnation
+        finally:
+            elsewhere.close()
+    finally:
+        old.close()
+        new.close()
+        server.stop()
+        other.stop()
+
+
 def test_requests_before_hello_are_refused(shard):
     p = RawPeer(shard.address)
     try:

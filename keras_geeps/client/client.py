@@ -300,6 +300,7 @@ class GeePSClient:
         self._seqs = [itertools.count(1) for _ in self.cluster.shards]
         self.wait_seconds = 0.0
         self.bytes_delivered = 0  # rows put into waiting reads' buffers
+        self.reconnects = 0  # broken connections to a live shard, resumed
         self.access_plan = AccessPlan()
         self._clock_lock = threading.Lock()  # clock() vs a recovery replay
         self._recovering = {}  # shard -> DECLAREs still to be answered
@@ -308,6 +309,8 @@ class GeePSClient:
         self._curve = curve
         self._closed = False
         self._lost = {}  # shard -> why its tables are gone (restarted)
+        self._shard_incarnations = {}  # shard -> its process's number
+        self._restoring = set()  # shards whose restart recovery is under way
         self._shm_peers = {}   # shard -> (shm.PeerBuffers, its arena token)
         self._shm_upload = set()  # shards that map our update buffers
         self._releases = collections.deque()  # (shard, token, buffer id)
@@ -330,6 +333,7 @@ class GeePSClient:
         self._arena = shm.Arena() if shared_memory else None
         self._io = IOThread(self.cluster.shards, self._on_rows,
                             on_error=self._on_error_code,
+                            on_broken=self._on_link_broken,
                             worker_id=self.worker_id, curve=self._curve,
                             name=f"geeps-io-w{self.worker_id}",
                             on_turn=self._on_io_turn)
@@ -386,7 +390,9 @@ class GeePSClient:
 
     # ---------------------------------------------------- shared memory
     def _on_welcome(self, shard, welcome):
-        """Uses shared memory with `shard` if both sides can map the other's."""
+        """Notes which process `shard` is, and uses shared memory with it if
+        both sides can map the other's."""
+        self._shard_incarnations[shard] = welcome.meta.get("incarnation")
         self._shm_peers.pop(shard, None)
         self._shm_upload.discard(shard)
         meta = welcome.meta
@@ -902,37 +908,45 @@ class GeePSClient:
         else:
             self._io.requeue(shard, future)
 
+    def _on_link_broken(self, shard, reason):
+        """A sealed link that lost messages (I/O thread): recovered as a
+        refusal would be; the WELCOME tells a reconnect from a restart."""
+        del reason  # (logged by the I/O thread)
+        attempt = self._attempts.get(shard)
+        self._recover(shard, again=attempt is not None and attempt.answered)
+
     def _fail(self, error):
         self._io.errors.append(error)
         with self._cond:
             self._cond.notify_all()
 
     def _recover(self, shard, again=False):
-        """A restarted shard: HELLO again, re-declare, replay (I/O thread).
+        """A shard that refused this worker (or lost its messages): HELLO
+        again; its WELCOME says whether it is the same process (I/O thread).
 
-        The shard restored each table at its checkpoint clock g; this worker
-        resends its updates and clocks of [g, now) from its log, then its
-        held traffic, minus what the replay already carried, and the
-        requests callers still wait on (the old shard took them
-        unanswered). Updates the checkpoint covers are never resent, those
-        it does not are resent once: nothing is lost or applied twice.
+        The same process: the connection broke and came back (a reconnect
+        gets a new routing id, or a sealed link lost messages). This worker
+        resends, under their own numbers, the updates, clocks and creates
+        the shard may not have got (it handles each number once), asks for
+        its rows again and sends what it held back: `_reconnected`.
+
+        A restarted process: it restored each table at its checkpoint
+        clock g; this worker re-declares, resends its updates and clocks of
+        [g, now) from its log, then its held traffic, minus what the replay
+        already carried, and the requests callers still wait on (the old
+        shard took them unanswered). Updates the checkpoint covers are never
+        resent, those it does not are resent once: nothing is lost or
+        applied twice. Without checkpoints its tables are lost: the client
+        fails, naming it.
+
         With `again`, a recovery under way is given up (its late replies
         are ignored) and started over: the shard restarted once more.
         """
         if shard in self._lost or (shard in self._recovering and not again):
             return
         address = self.cluster.shards[shard]
-        if not self._keep_log:
-            # Raised once where a caller waits, then by every later call.
-            reason = (f"shard {shard} ({address}) restarted, but the shards "
-                      f"write no checkpoints (--checkpoint-every): its tables"
-                      f" are lost")
-            log.error("worker %d: %s", self.worker_id, reason)
-            self._lost[shard] = reason
-            self._fail(GeePSError(reason))
-            return
-        log.warning("worker %d: shard %d (%s) restarted%s; recovering",
-                    self.worker_id, shard, address,
+        log.warning("worker %d: shard %d (%s) refused this worker%s; saying "
+                    "HELLO again", self.worker_id, shard, address,
                     " again while being recovered" if again else "")
         self._io.held.add(shard)
         self._io.requeue_unanswered(shard)
@@ -957,6 +971,22 @@ class GeePSClient:
                                      f"failed: {error}")
                 self._fail(error)
                 return
+            known = self._shard_incarnations.get(shard)
+            if known is not None and shard not in self._restoring and \
+                    message.meta.get("incarnation") == known:
+                self._reconnected(shard, parts, message)
+                return
+            if not self._keep_log:
+                self._lose(shard, f"shard {shard} ({address}) restarted, but "
+                                  f"the shards write no checkpoints "
+                                  f"(--checkpoint-every): its tables are lost")
+                return
+            log.warning("worker %d: shard %d (%s) restarted; recovering",
+                        self.worker_id, shard, address)
+            # (until its replay is out, a reconnect to the same process
+            # goes through this again: the replay is not in what is resent)
+            self._restoring.add(shard)
+            self._io.forget_unacknowledged(shard)  # the replay covers them
             self._on_welcome(shard, message)
             if not parts:
                 self._finish_recovery(shard)
@@ -964,6 +994,50 @@ class GeePSClient:
                 self._redeclare(shard, table, part, attempt)
 
         self._io.send_now(shard, hello, attempt.future(welcomed))
+
+    def _lose(self, shard, reason):
+        """Gives `shard` up for good: `reason` is raised once where a caller
+        waits, then by every later call."""
+        log.error("worker %d: %s", self.worker_id, reason)
+        self._lost[shard] = reason
+        self._fail(GeePSError(reason))
+
+    def _reconnected(self, shard, parts, welcome):
+        """The recovery's WELCOME came from the shard's same process: its
+        connection broke and came back (I/O thread). Resends what it may
+        not have got, asks for each part's rows again (a push the break
+        tore is gone: a DECLARE pushes them anew), then sends what was
+        held."""
+        address = self.cluster.shards[shard]
+        if shard in self._shm_peers or shard in self._shm_upload:
+            # Updates in shared memory are not kept for sending again.
+            self._lose(shard, f"the connection to shard {shard} ({address}), "
+                              f"which shares memory with this worker, broke "
+                              f"and came back; updates may be lost")
+            return
+        self._on_welcome(shard, welcome)
+        resent = self._io.resend_unacknowledged(shard)
+        for table, part in parts:
+            self._io.send_now(shard, self._declare_message(shard, table, part),
+                              Future(self._fail_on_error))
+        self._io.release(shard, lambda: self._next_seq(shard))
+        del self._recovering[shard]
+        del self._attempts[shard]
+        self.reconnects += 1
+        log.warning("worker %d: reconnected to shard %d (%s), the same "
+                    "process: resent %d updates, clocks and creates it may "
+                    "not have got", self.worker_id, shard, address, resent)
+
+    def _declare_message(self, shard, table, part):
+        """A DECLARE of `table`'s `part` on `shard` (numbered): the shard
+        answers with the table's clocks and pushes the part's rows."""
+        _, start, end = table.parts[part]
+        return Message(MsgType.DECLARE, table.id, worker=self.worker_id,
+                       seq=self._next_seq(shard),
+                       meta=self._shm_meta(shard, {
+                           "name": table.name, "rows": table.rows,
+                           "width": table.width, "dtype": table.dtype.name,
+                           "row_start": start, "row_end": end}))
 
     def _retry_unanswered_recoveries(self):
         """Says HELLO again where a recovery's HELLO went unanswered for
@@ -975,14 +1049,7 @@ class GeePSClient:
                 self._recover(shard, again=True)
 
     def _redeclare(self, shard, table, part, attempt):
-        _, start, end = table.parts[part]
-        declare = Message(MsgType.DECLARE, table.id, worker=self.worker_id,
-                          seq=self._next_seq(shard),
-                          meta=self._shm_meta(shard, {
-                              "name": table.name, "rows": table.rows,
-                              "width": table.width,
-                              "dtype": table.dtype.name, "row_start": start,
-                              "row_end": end}))
+        declare = self._declare_message(shard, table, part)
 
         def declared(message, error):
             if self._attempts.get(shard) is not attempt:
@@ -1028,10 +1095,10 @@ class GeePSClient:
         for message in self._create_messages(table, part, initial):
             message.worker, message.seq = self.worker_id, self._next_seq(shard)
             self._io.send_now(shard, message,
-                              attempt.future(self._on_recreated))
+                              attempt.future(self._fail_on_error))
         return True
 
-    def _on_recreated(self, message, error):
+    def _fail_on_error(self, message, error):
         if error is not None:
             self._fail(error)
 
@@ -1075,6 +1142,7 @@ class GeePSClient:
                          replayed_already)
         del self._recovering[shard]
         del self._attempts[shard]
+        self._restoring.discard(shard)
         log.warning("worker %d: shard %d recovered", self.worker_id, shard)
 
     # ----------------------------------------------------- reads, updates
@@ -1428,7 +1496,9 @@ class GeePSClient:
         return [json.loads(r.meta["stats"]) for r in replies]
 
     def stats(self, tables=None):
-        """Returns this worker's figures: bytes moved, waits, data ages.
+        """Returns this worker's figures: bytes moved, waits, data ages,
+        and `reconnects` (connections to a live shard that broke and were
+        resumed with nothing lost).
 
         Args:
             tables: the tables whose data age (the oldest) and clock (the
@@ -1441,6 +1511,7 @@ class GeePSClient:
                 "shm_bytes_received": self.shm_bytes_in,
                 "wait_seconds": self.wait_seconds,
                 "bytes_delivered": self.bytes_delivered,
+                "reconnects": self.reconnects,
                 "data_age": min((t.data_age for t in tables), default=0),
                 "clock": max((t.clock for t in tables), default=0)}
 

@@ -22,6 +22,11 @@ from keras_geeps.protocol import Message, MsgType, ProtocolError
 log = logging.getLogger("keras_geeps.client")
 
 CLOSED = "the client is closed"
+# The requests a shard handles at most once per sequence number (it
+# remembers the numbers it handled): a worker keeps those it wrote until a
+# reply to a later one shows the shard got them, and sends them again,
+# under the same numbers, when its connection broke and came back.
+RESENDABLE = frozenset({MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK})
 
 
 class Future:
@@ -70,6 +75,7 @@ class _SealedLink:
         self.socket = socket
         self.channel = channel
         self.sender = seal.Sender(channel, self._send)
+        self.broken = False  # it lost messages: nothing more is opened
 
     def _send(self, frames, track):
         return self.socket.send_multipart(frames, copy=False, track=track)
@@ -88,6 +94,10 @@ class IOThread:
         on_error: called as on_error(shard, message, future) in this thread
             for an ERROR that carries a `code` (shard restarted, worker
             dead); `future` is the refused request's, or None.
+        on_broken: called as on_broken(shard, reason) in this thread when a
+            sealed link turns out to have lost messages (`seal.SealGap`):
+            its connection broke and came back. Later messages on it are
+            dropped until a new WELCOME replaces it.
         worker_id: this worker's id (heartbeats carry it).
         heartbeat_interval: seconds between heartbeats; 0 sends none
             (set `heartbeat_interval` later to start them, e.g. once the
@@ -98,8 +108,9 @@ class IOThread:
 
     def __init__(self, addresses, on_rows, on_error=None, worker_id=-1,
                  heartbeat_interval=0.0, curve=None, name="geeps-io",
-                 on_turn=None):
+                 on_turn=None, on_broken=None):
         self._addresses = list(addresses)
+        self._on_broken = on_broken
         self._on_turn = on_turn
         self._on_rows = on_rows
         self._on_error = on_error
@@ -124,6 +135,9 @@ class IOThread:
             sock.connect(address)
             self._sockets.append(sock)
         self._futures = {}  # (shard, seq) -> Future
+        # shard -> {seq: Message} of RESENDABLE requests written to it and
+        # not yet known to have arrived, in the order written.
+        self._unacked = collections.defaultdict(collections.OrderedDict)
         self._lock = threading.Lock()
         self.held = set()   # shards whose queued traffic waits (recovery)
         self._backlog = collections.defaultdict(list)
@@ -159,7 +173,7 @@ class IOThread:
     def send_now(self, shard, message, future=None):
         """Sends at once, ahead of held traffic (I/O thread only)."""
         self._register(shard, message, future)
-        self._write(shard, protocol.encode(message), message.type, future)
+        self._write(shard, protocol.encode(message), message, future)
 
     def _register(self, shard, message, future):
         if future is not None:
@@ -219,8 +233,38 @@ class IOThread:
                 message.seq = next_seq()
                 if future is not None:
                     self._futures[(shard, message.seq)] = future
-            self._write(shard, protocol.encode(message), message.type,
-                        future)
+            self._write(shard, protocol.encode(message), message, future)
+
+    def resend_unacknowledged(self, shard):
+        """Writes again, under their own sequence numbers, the RESENDABLE
+        requests `shard` may not have got (I/O thread only, before
+        `release`): its connection broke and came back, and a broken
+        connection loses what it was carrying. The shard handles those it
+        had not, and drops those it had. Held copies of the same requests
+        (`requeue_unanswered`) are not sent a second time. Returns how
+        many were written."""
+        unacked = self._unacked.pop(shard, {})
+        again = {id(message) for message in unacked.values()}
+        self._backlog[shard] = [entry for entry in self._backlog[shard]
+                                if id(entry[1]) not in again]
+        for message in unacked.values():
+            with self._lock:
+                future = self._futures.get((shard, message.seq))
+            self._write(shard, protocol.encode(message), message, future)
+        return len(unacked)
+
+    def forget_unacknowledged(self, shard):
+        """Drops what `resend_unacknowledged` would send: `shard` restarted,
+        and its recovery's replay resends what its checkpoint lacks."""
+        self._unacked.pop(shard, None)
+
+    def _acknowledged(self, shard, seq):
+        """A reply to request `seq` of `shard`: replies come in the order
+        of the requests, so the shard got everything written before it."""
+        unacked = self._unacked.get(shard)
+        if unacked and seq in unacked:
+            while unacked.popitem(last=False)[0] != seq:
+                pass
 
     def _ring(self):
         with self._doorbell_lock:
@@ -289,15 +333,25 @@ class IOThread:
     def _heartbeat(self, shard):
         """A heartbeat over the main socket, also with a sealed link: a
         shard restarted on another data port answers it there (CURVE
-        authenticated) with hello_required, and the worker recovers."""
+        authenticated) with hello_required, and the worker recovers. With
+        a sealed link, one more over the link, which the shard echoes: a
+        message either side's link lost, even the last one sent, shows by
+        the gap in the counters of the next (`seal.SealGap`)."""
         frames = protocol.encode(Message(MsgType.HEARTBEAT,
                                          worker=self._worker_id))
         self.bytes_out += sum(len(f) for f in frames)
         self._sockets[shard].send_multipart(frames)
+        link = self._links.get(shard)
+        if link is not None and not link.broken:
+            self.bytes_out += sum(len(f) for f in frames)
+            link.sender.send(frames)
 
-    def _write(self, shard, frames, kind, future=None):
+    def _write(self, shard, frames, message, future=None):
         """Sends a message's frames: sealed on the shard's data link once
         it has one (HELLO always goes over the main, CURVE, socket)."""
+        kind = message.type
+        if kind in RESENDABLE:
+            self._unacked[shard][message.seq] = message
         if future is not None:
             future.written = True
         self.bytes_out += sum(len(f) if isinstance(f, bytes) else f.nbytes
@@ -319,7 +373,7 @@ class IOThread:
             if shard in self.held:
                 self._backlog[shard].append((frames, message, future))
             else:
-                self._write(shard, frames, message.type, future)
+                self._write(shard, frames, message, future)
 
     def _open_link(self, shard, sealed):
         """Starts (or replaces) the sealed data link a WELCOME gave."""
@@ -359,6 +413,8 @@ class IOThread:
         the cipher's pass is also the copy), else in place."""
         if link is None:
             return protocol.decode(frames), None
+        if link.broken:
+            return None, None
         if frames and bytes(frames[0].buffer) == seal.MAGIC:
             try:
                 opened = link.channel.open(frames, defer=True)
@@ -371,6 +427,14 @@ class IOThread:
                                   for array, frame in zip(message.arrays,
                                                           sealed)]
                 return message, None
+            except seal.SealGap as exc:
+                link.broken = True
+                log.warning("worker %d: the sealed link to shard %d lost "
+                            "messages (%s): saying HELLO again",
+                            self._worker_id, shard, exc)
+                if self._on_broken is not None:
+                    self._on_broken(shard, str(exc))
+                return None, None
             except seal.SealError as exc:
                 log.error("dropped a sealed message from shard %d: %s",
                           shard, exc)
@@ -410,10 +474,13 @@ class IOThread:
         if kind in (MsgType.PUSH, MsgType.ROWS):
             self._on_rows(shard, message, sealed)
             return
+        code = message.meta.get("code") if kind == MsgType.ERROR else None
+        if code != protocol.ERROR_HELLO_REQUIRED:  # (that one: not handled)
+            self._acknowledged(shard, message.seq)
         with self._lock:
             future = self._futures.pop((shard, message.seq), None)
         if kind == MsgType.ERROR:
-            if message.meta.get("code") and self._on_error is not None:
+            if code and self._on_error is not None:
                 self._on_error(shard, message, future)
                 return
             error = GeePSServerError(

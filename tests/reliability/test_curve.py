@@ -8,46 +8,18 @@ import time
 import numpy as np
 import pytest
 
-from keras_geeps.auth import ClientKeys
 from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSTimeoutError
-from keras_geeps.launch import LocalCluster
+from tests.reliability.keyed import keyed_cluster, worker_keys
 from tests.reliability.restarts import (ask_across_a_restart,
                                         counted_to_a_checkpoint)
 from tests.worker_threads import run_worker_threads
 
 
 @pytest.fixture
-def keys(tmp_path):
-    allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_geeps", "keygen", str(tmp_path),
-         "shard", "worker", "stranger"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    (allowed / "worker.key").write_bytes((tmp_path / "worker.key").read_bytes())
-    return tmp_path
-
-
-def _worker_keys(keys, name="worker"):
-    """The client keys of `name` (its secret, the shard's public key)."""
-    return ClientKeys(keys / f"{name}.key_secret", keys / "shard.key")
-
-
-def _keyed_cluster(keys, workers=1, checkpoint=False):
-    args = ["--curve-secret-key", str(keys / "shard.key_secret"),
-            "--curve-allowed-clients", str(keys / "allowed")]
-    if checkpoint:
-        args += ["--checkpoint-dir", str(keys / "ckpt"),
-                 "--checkpoint-every", "2"]
-    return LocalCluster(1, workers, processes=True, output=sys.stderr,
-                        shard_args=args)
-
-
-@pytest.fixture
 def curve_cluster(keys):
-    cluster = _keyed_cluster(keys)
+    cluster = keyed_cluster(keys)
     yield cluster
     cluster.stop()
 
@@ -58,7 +30,7 @@ def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
     reused buffer pool and each worker through its own, so a buffer handed
     out while still being sent would fail a tag (a dropped message, a
     stall) or change a sum."""
-    curve = _worker_keys(keys)
+    curve = worker_keys(keys)
     clocks, results, errors = 12, {}, []
 
     def work(w, cluster):
@@ -76,7 +48,7 @@ def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    with _keyed_cluster(keys, workers=3) as cluster:
+    with keyed_cluster(keys, workers=3) as cluster:
         run_worker_threads(3, lambda w: work(w, cluster))
     assert not errors, errors[0]
     stats = results[0]
@@ -91,7 +63,7 @@ def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
     The rows buffer a waiting chunk reads must not be handed out for a
     later clock's sums before it is sealed: every read must be whole (one
     value, a multiple of the per-clock sum 6) and the last one exact."""
-    curve = _worker_keys(keys)
+    curve = worker_keys(keys)
     clocks, rows, width = 16, 2048, 1024
     errors, seen, stats = [], [], []
 
@@ -112,7 +84,7 @@ def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
         except BaseException as exc:  # reported below
             errors.append(exc)
 
-    with _keyed_cluster(keys, workers=3) as cluster:
+    with keyed_cluster(keys, workers=3) as cluster:
         run_worker_threads(3, lambda w: work(w, cluster))
     assert not errors, errors[0]
     torn = [(lo, hi) for lo, hi in seen if lo != hi or lo % 6]
@@ -123,7 +95,7 @@ def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
 
 
 def test_keyed_client_reads_and_writes(keys, curve_cluster):
-    curve = _worker_keys(keys)
+    curve = worker_keys(keys)
     with curve_cluster.client(0, timeout=10, curve=curve,
                               shared_memory=False) as client:
         table = client.create_table("t", 3, 4, init=np.ones((3, 4)))
@@ -146,7 +118,7 @@ def test_keyed_client_reads_and_writes(keys, curve_cluster):
 
 @pytest.mark.parametrize("who", ["unkeyed", "stranger"])
 def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
-    curve = None if who == "unkeyed" else _worker_keys(keys, "stranger")
+    curve = None if who == "unkeyed" else worker_keys(keys, "stranger")
     spec = ClusterSpec(curve_cluster.addresses, 1, 0)
     with pytest.raises(GeePSTimeoutError,
                        match="did not answer HELLO.*CURVE"):
@@ -156,7 +128,7 @@ def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
 
 
 def test_everything_after_hello_travels_sealed(keys, curve_cluster):
-    curve = _worker_keys(keys)
+    curve = worker_keys(keys)
     with curve_cluster.client(0, timeout=10, curve=curve,
                               shared_memory=False,
                               heartbeat_interval=0) as client:
@@ -179,7 +151,7 @@ def test_strangers_on_the_data_socket_get_nothing(keys, curve_cluster):
 
     from keras_geeps import protocol  # noqa: PLC0415
 
-    curve = _worker_keys(keys)
+    curve = worker_keys(keys)
     with curve_cluster.client(0, timeout=10, curve=curve) as client:
         table = client.create_table("t", 4, 4)
         link = client._io._links[0]
@@ -236,7 +208,9 @@ def test_forged_messages_in_a_live_session_are_dropped(keys, curve_cluster):
     """A session driven by hand (HELLO over CURVE, then the sealed data
     socket): messages sealed with a guessed key, replayed, tampered with or
     cut short are dropped, each counted as an error and none answered,
-    while the session's own requests before and after are served."""
+    while the session's own requests before and after are served. A
+    genuine message that follows one that was dropped tells the shard it
+    lost it: the session ends (hello_required, in the clear)."""
     import zmq  # noqa: PLC0415
 
     from keras_geeps import protocol, seal  # noqa: PLC0415
@@ -247,7 +221,7 @@ def test_forged_messages_in_a_live_session_are_dropped(keys, curve_cluster):
     try:
         main = context.socket(zmq.DEALER)
         main.setsockopt(zmq.LINGER, 0)
-        _worker_keys(keys).apply(main, 0)
+        worker_keys(keys).apply(main, 0)
         main.connect(shard.address)
         main.send_multipart(protocol.encode(Message(
             MsgType.HELLO, worker=0, seq=1, meta={
@@ -287,13 +261,24 @@ def test_forged_messages_in_a_live_session_are_dropped(keys, curve_cluster):
         data.send_multipart(replayed)
         assert len(answers()) == 1
         forged = [stats_request(guessed), replayed]
-        tampered = stats_request()
-        tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
-        forged += [tampered, stats_request()[:-1]]  # a tag off, a frame cut
         for frames in forged * 25:
             data.send_multipart(frames)
         assert answers() == []  # nothing forged is answered
         assert errors() == before + len(forged) * 25
+        # Genuine messages altered on the way: a tag off, a frame cut.
+        tampered = stats_request()
+        tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
+        for frames in [tampered, stats_request()[:-1]] * 25:
+            data.send_multipart(frames)
+        assert answers() == []
+        # The next genuine one shows two were lost: the session is over.
+        for why in ("the session lost messages", "unknown session"):
+            data.send_multipart(stats_request())
+            assert data.poll(5000)
+            refusal = protocol.decode(data.recv_multipart())
+            assert refusal.type == MsgType.ERROR
+            assert refusal.meta["code"] == protocol.ERROR_HELLO_REQUIRED
+            assert why in refusal.meta["error"]
     finally:
         context.destroy(linger=0)
 
@@ -303,8 +288,8 @@ def test_a_restarted_curve_shard_recovers_with_nothing_lost(
         keys, same_data_port):
     from keras_geeps.launch import ShardProcess  # noqa: PLC0415
 
-    cluster = _keyed_cluster(keys, checkpoint=True)
-    curve = _worker_keys(keys)
+    cluster = keyed_cluster(keys, checkpoint=True)
+    curve = worker_keys(keys)
     try:
         with cluster.client(0, timeout=20, curve=curve,
                             heartbeat_interval=0.2) as client:
@@ -339,9 +324,9 @@ def test_a_request_dropped_with_the_old_sealed_link_is_sent_again(keys):
     """A STATS request queued on the sealed link to a stopped, then killed
     shard is dropped with that link when the restored shard welcomes the
     worker; it is sent again on the new one: answered before the timeout."""
-    cluster = _keyed_cluster(keys, checkpoint=True)
+    cluster = keyed_cluster(keys, checkpoint=True)
     try:
-        with cluster.client(0, timeout=60, curve=_worker_keys(keys),
+        with cluster.client(0, timeout=60, curve=worker_keys(keys),
                             heartbeat_interval=0.2) as client:
             table = counted_to_a_checkpoint(client)
             stats, seconds = ask_across_a_restart(client, cluster,
@@ -359,9 +344,9 @@ def test_a_session_speaks_for_its_own_worker_only(keys):
     from keras_geeps.client.connection import Future  # noqa: PLC0415
     from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
 
-    cluster = _keyed_cluster(keys, workers=2)
+    cluster = keyed_cluster(keys, workers=2)
     try:
-        mine = _worker_keys(keys)
+        mine = worker_keys(keys)
         with cluster.client(0, timeout=10, curve=mine) as client:
             errors = []
             future = Future(lambda m, e: errors.append(e))
@@ -400,17 +385,17 @@ def test_a_key_named_for_a_worker_speaks_for_that_worker_only(keys):
                         str(keys), name], check=True, capture_output=True)
         (keys / "allowed" / f"{name}.key").write_bytes(
             (keys / f"{name}.key").read_bytes())
-    cluster = _keyed_cluster(keys, workers=2)
+    cluster = keyed_cluster(keys, workers=2)
     try:
         spec = ClusterSpec(cluster.addresses, 2, 1)
-        zero = _worker_keys(keys, "worker0")
+        zero = worker_keys(keys, "worker0")
         with pytest.raises(GeePSServerError,
                            match="bound to worker 0.*as worker 1"):
             GeePSClient(spec, timeout=10, curve=zero)
-        one = _worker_keys(keys, "worker1")
+        one = worker_keys(keys, "worker1")
         GeePSClient(spec, timeout=10, curve=one).close()  # welcomed
         # An unbound allowed key (allowed/worker.key) may be any worker.
-        anyone = _worker_keys(keys)
+        anyone = worker_keys(keys)
         for worker in (0, 1):
             GeePSClient(ClusterSpec(cluster.addresses, 2, worker),
                         timeout=10, curve=anyone).close()
