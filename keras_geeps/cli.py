@@ -62,8 +62,11 @@ def _ask_all(args, msg_type):
             future = Future()
             io.send(shard, Message(msg_type, seq=1), future)
             if not future.event.wait(timeout):
+                hint = ("are these CURVE keys allowed?" if curve else
+                        "or does it require CURVE keys?")
                 raise GeePSTimeoutError(f"shard {shard} ({address}) did not "
-                                        f"answer within {timeout} s")
+                                        f"answer within {timeout} s: is it "
+                                        f"running ({hint})")
             if future.error:
                 raise future.error
             replies.append(future.message)

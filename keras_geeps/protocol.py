@@ -42,6 +42,23 @@ DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 # went from 0.62-0.70 to 0.74 of its plain speed.
 IO_THREADS = 2
 
+# ZeroMQ's own heartbeats (ZMTP PING/PONG, in its I/O threads) on every
+# shard and worker socket: a connection that hears nothing for
+# LINK_TIMEOUT_MS after a PING is closed, and a worker's socket connects
+# again. A half-open TCP connection (a peer's end reset by a network
+# fault, the other never told) thus breaks within seconds, not TCP's
+# minutes, and the worker resumes (see the client's recovery).
+LINK_PING_MS = 2000
+LINK_TIMEOUT_MS = 20000
+
+
+def set_link_heartbeats(sock):
+    """Sets LINK_PING_MS and LINK_TIMEOUT_MS on a ZeroMQ socket (before it
+    binds or connects)."""
+    import zmq  # noqa: PLC0415 (the wire format itself needs no ZeroMQ)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, LINK_PING_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LINK_TIMEOUT_MS)
+
 ALLOWED_DTYPES = (
     "float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8",
 )

@@ -402,6 +402,11 @@ class Sender:
             and returns its `MessageTracker` with `track`, else anything.
         in_flight: large messages ZeroMQ may hold before the next is
             sealed. Defaults to IN_FLIGHT.
+        ready: if False, nothing is sealed until `ready` is set True: a
+            shard's new session waits for the worker's first message on
+            it, since ZeroMQ drops what goes to a route not connected yet
+            (a lost message the next one's counter would tell). Defaults
+            to True.
 
     Example:
 
@@ -413,10 +418,11 @@ class Sender:
     (True, 1)
     """
 
-    def __init__(self, channel, send, in_flight=IN_FLIGHT):
+    def __init__(self, channel, send, in_flight=IN_FLIGHT, ready=True):
         self.channel = channel
         self._send = send
         self.in_flight = in_flight
+        self.ready = ready
         self._queue = collections.deque()
         self._trackers = collections.deque()
         self.moved = time.monotonic()  # when it last sent, or got work
@@ -433,7 +439,10 @@ class Sender:
 
     def pump(self):
         """Seals and sends waiting messages while ZeroMQ holds fewer than
-        `in_flight` large ones. Returns True when none waits."""
+        `in_flight` large ones. Returns True when none waits, or when it is
+        not `ready` (its owner then has nothing to look at again)."""
+        if not self.ready:
+            return True
         queue, trackers = self._queue, self._trackers
         while queue:
             while trackers and trackers[0].done:

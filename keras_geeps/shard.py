@@ -24,6 +24,7 @@ or as a thread (`ShardServer(...).start()`, for tests and notebooks).
 """
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -127,6 +128,12 @@ class RequestError(Exception):
 STARTUP_GRACE_S = 60.0
 # How long a stopping shard waits for the checkpoint being written.
 WRITER_JOIN_S = 60.0
+# The requests handled at most once per sequence number (a worker resends
+# them after its connection broke), and how many of a worker's latest
+# answers to them that say more than a plain ACK (a refusal, a CREATE's
+# clocks) are kept to answer a resend with.
+ONCE_ONLY = frozenset({MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK})
+KEPT_ANSWERS = 1024
 # The longest wait before retrying a checkpoint whose write failed.
 WRITER_BACKOFF_MAX_S = 60.0
 # How long a bind to a port in use is retried (a restarted shard's port
@@ -418,6 +425,7 @@ class ShardServer:
         self._identities = {}     # worker id -> routing identity
         self._incarnations = {}   # worker id -> incarnation number
         self._seqs = {}           # worker id -> _SeqTracker
+        self._answers = {}        # worker id -> {seq: reply} (KEPT_ANSWERS)
         self._parked = []         # (identity, Message) reads waiting
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._last_seen = {}      # worker id -> time of its last message
@@ -542,6 +550,7 @@ class ShardServer:
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+            protocol.set_link_heartbeats(sock)
             # No frame larger than a whole message is taken in: libzmq
             # drops the connection of a peer that sends one before it is
             # buffered (room left for the header and any overhead).
@@ -638,6 +647,7 @@ class ShardServer:
                         "%s", self.shard_id, session.worker, exc)
             return
         self.stats["sealed_in"] += 1
+        session.sender.ready = True  # its link is connected
         self._serve(("sealed", route), plain, session.worker)
 
     def _hello_required(self, route, error):
@@ -678,8 +688,22 @@ class ShardServer:
         meta = {"error": error[:2000]}
         if code is not None:
             meta["code"] = code
-        self._send(identity, Message(MsgType.ERROR, table=table, seq=seq,
-                                     meta=meta))
+        self._answer(identity, message, Message(MsgType.ERROR, table=table,
+                                                seq=seq, meta=meta))
+
+    def _answer(self, identity, request, reply):
+        """Sends `reply` to `request`, kept for a resend of a ONCE_ONLY
+        request from its worker's connection (the shard handles it once,
+        and a resend means this answer may have been lost)."""
+        if request is not None and request.type in ONCE_ONLY and \
+                request.worker in self._seqs and \
+                self._identities.get(request.worker) == identity:
+            kept = self._answers.setdefault(request.worker,
+                                            collections.OrderedDict())
+            kept[request.seq] = reply
+            if len(kept) > KEPT_ANSWERS:
+                kept.popitem(last=False)
+        self._send(identity, reply)
 
     def _send(self, identity, message, track=False):
         """Sends `message`; returns a tracker of the zero-copy frames (with
@@ -713,8 +737,9 @@ class ShardServer:
             self._handle_request(identity, message)
         finally:
             # Every sequence number a registered worker's connection used is
-            # answered for good, refusals and admin requests included (the
-            # worker fails on an ERROR, it never resends one): mark them
+            # answered for good, refusals and admin requests included (a
+            # worker resends a ONCE_ONLY request only when the answer may
+            # be lost, and gets the one kept in _answers again): mark them
             # all, so the tracker keeps no gaps and its memory stays flat.
             if worker in self._seqs and \
                     self._identities.get(worker) == identity:
@@ -771,10 +796,13 @@ class ShardServer:
         }.get(kind)
         if handler is None:
             raise RequestError(f"{kind.name} is not a request a shard takes")
-        if kind in (MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK) and \
+        if kind in ONCE_ONLY and \
                 self._seqs[worker].seen(message.seq):  # a resend: done
             self.stats["duplicates"] += 1
-            if kind != MsgType.UPDATE:
+            answer = self._answers.get(worker, {}).get(message.seq)
+            if answer is not None:  # the first answer was lost: again
+                self._send(identity, answer)
+            elif kind != MsgType.UPDATE:
                 self._send(identity, Message(
                     MsgType.ACK, table=message.table, seq=message.seq))
             return
@@ -801,12 +829,19 @@ class ShardServer:
             # A new worker process (or this shard is new): its requests are
             # numbered from its HELLO on.
             self._seqs[worker] = _SeqTracker(message.seq)
+            self._answers.pop(worker, None)
             self._incarnations[worker] = incarnation
             self._forget_shm(worker)
             if worker in self._dead:
                 self._rejoin(worker)
             elif previous is not None:
                 self._restarted(worker)
+        elif worker in self._dead:  # its connection came back too late
+            raise RequestError(f"worker {worker} was declared dead while its "
+                               f"connection was broken (silent for more "
+                               f"than worker_timeout); the job went on "
+                               f"without it: restart it to rejoin",
+                               protocol.ERROR_WORKER_DEAD)
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
         if self._started is None:
@@ -846,9 +881,11 @@ class ShardServer:
         route = keys["session"]
         channel = seal.Channel(route, keys["s2c"], keys["c2s"],
                                self._seal_buffers)
+        # (what goes to it waits for its first message: the worker's link
+        # is connected then, and nothing is dropped on an unknown route)
         self._sessions[route] = _Session(worker, channel, seal.Sender(
             channel, lambda frames, track: self._send_to(
-                self._data, [route] + frames, track)))
+                self._data, [route] + frames, track), ready=False))
         token = os.urandom(16).hex()  # lets it connect (not a key)
         self._session_tokens[route.hex()] = token
         self._identities[worker] = ("sealed", route)
@@ -1003,8 +1040,8 @@ class ShardServer:
         if table.ready and table.initialised is None:
             # Restored from a checkpoint (or created before): the shard's
             # rows win over a restarted creator's fresh initial values.
-            self._send(identity, self._table_ack(table, message.seq,
-                                                 existing=True))
+            self._answer(identity, message, self._table_ack(
+                table, message.seq, existing=True))
             if message.meta.get("chunk_row", 0) == 0:
                 self._push(table, message.worker)
             return
@@ -1022,7 +1059,7 @@ class ShardServer:
         if complete:
             table.ready = True
             table.initialised = None
-        self._send(identity, self._table_ack(table, message.seq))
+        self._answer(identity, message, self._table_ack(table, message.seq))
         if complete:
             self._maybe_snapshot(table, 0, table.data)  # restorable at once
             for worker in table.subscribers:

@@ -440,3 +440,19 @@ def test_a_keyed_shard_without_pyaegis_fails_at_start(monkeypatch,
     with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
         ShardServer("tcp://127.0.0.1:0", 0, 1, 1, curve=(
             str(tmp_path / "shard.key_secret"), str(tmp_path / "allowed")))
+
+
+def test_a_sender_not_ready_seals_nothing_until_it_is(pair):
+    """A shard's new session holds its messages, unsealed, until the
+    worker's first message on it (ZeroMQ would drop them on a route not
+    connected yet, and the next one's counter would tell a loss)."""
+    worker, shard = pair
+    sent = []
+    sender = seal.Sender(shard, lambda frames, track: sent.append(frames),
+                         ready=False)
+    queued = [sender.send([f"m{i}".encode()]) for i in range(3)]
+    assert sent == [] and shard.sent == 0 and sender.waiting == 3
+    assert seal.pump_all([sender]) is None  # nothing to look at again
+    sender.ready = True
+    assert seal.pump_all([sender]) is None and all(q.done for q in queued)
+    assert [bytes(worker.open(f)[0]) for f in sent] == [b"m0", b"m1", b"m2"]

@@ -280,6 +280,33 @@ def test_a_new_connection_of_the_same_worker_resends_exactly_once():
         other.stop()
 
 
+def test_a_resent_request_gets_its_first_answer_again(shard, peer):
+    """A refused UPDATE or CLOCK, or a CREATE, resent under its number
+    (its answer was lost with a connection) is not handled again: it gets
+    the answer it got the first time, not a bare ACK or silence."""
+    def ask(seq, kind, **kwargs):
+        peer.send(Message(kind, seq=seq, worker=0, **kwargs))
+        return [r for r in peer.drain() if r.type != MsgType.PUSH]
+
+    wrong = dict(table=0, clk=3, arrays=[np.ones((4, 3), np.float32)])
+    first = ask(100, MsgType.UPDATE, **wrong)
+    assert first[0].type == MsgType.ERROR and "clock 3" in \
+        first[0].meta["error"]
+    again = ask(100, MsgType.UPDATE, **wrong)
+    assert [(r.type, r.meta) for r in again] == \
+        [(MsgType.ERROR, first[0].meta)]
+    assert shard.stats["duplicates"] == 1
+    refused_clock = ask(101, MsgType.CLOCK, table=0, clk=5)
+    assert ask(101, MsgType.CLOCK, table=0, clk=5)[0].meta == \
+        refused_clock[0].meta
+    # The fixture's CREATE (seq 2) again: its ACK, clocks and all.
+    create = ask(2, MsgType.CREATE, table=0, arrays=[np.zeros((4, 3),
+                                                              np.float32)],
+                 meta=dict(SPEC, chunk_row=0))
+    assert create[0].type == MsgType.ACK and "global_clock" in \
+        create[0].meta
+
+
 def test_requests_before_hello_are_refused(shard):
     p = RawPeer(shard.address)
     try:

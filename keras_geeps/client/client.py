@@ -310,7 +310,9 @@ class GeePSClient:
         self._closed = False
         self._lost = {}  # shard -> why its tables are gone (restarted)
         self._shard_incarnations = {}  # shard -> its process's number
-        self._restoring = set()  # shards whose restart recovery is under way
+        # shard -> {(table id, part)} whose replay its restart recovery has
+        # still to send (while that recovery is under way)
+        self._restoring = {}
         self._shm_peers = {}   # shard -> (shm.PeerBuffers, its arena token)
         self._shm_upload = set()  # shards that map our update buffers
         self._releases = collections.deque()  # (shard, token, buffer id)
@@ -791,6 +793,9 @@ class GeePSClient:
         except seal.SealError as exc:
             log.error("dropped a sealed chunk of table %r from shard %d: %s",
                       table.name, shard, exc)
+            # Its counter was taken: the link lost it as a break would.
+            self._io.break_link(shard)
+            self._on_link_broken(shard, str(exc))
             return
         ckpt = message.meta.get("ckpt", -1)
         if ckpt > table.part_ckpt[part]:
@@ -940,7 +945,10 @@ class GeePSClient:
         fails, naming it.
 
         With `again`, a recovery under way is given up (its late replies
-        are ignored) and started over: the shard restarted once more.
+        are ignored) and started over: the shard restarted once more, or
+        the connection broke again. A reconnect while a restart recovery
+        is under way resends what it sent and replays only the parts whose
+        replay had not gone out (`_reconnected_restoring`).
         """
         if shard in self._lost or (shard in self._recovering and not again):
             return
@@ -972,9 +980,12 @@ class GeePSClient:
                 self._fail(error)
                 return
             known = self._shard_incarnations.get(shard)
-            if known is not None and shard not in self._restoring and \
-                    message.meta.get("incarnation") == known:
-                self._reconnected(shard, parts, message)
+            if known is not None and message.meta.get("incarnation") == known:
+                if shard in self._restoring:
+                    self._reconnected_restoring(shard, parts, message,
+                                                attempt)
+                else:
+                    self._reconnected(shard, parts, message)
                 return
             if not self._keep_log:
                 self._lose(shard, f"shard {shard} ({address}) restarted, but "
@@ -983,9 +994,7 @@ class GeePSClient:
                 return
             log.warning("worker %d: shard %d (%s) restarted; recovering",
                         self.worker_id, shard, address)
-            # (until its replay is out, a reconnect to the same process
-            # goes through this again: the replay is not in what is resent)
-            self._restoring.add(shard)
+            self._restoring[shard] = {(t.id, p) for t, p in parts}
             self._io.forget_unacknowledged(shard)  # the replay covers them
             self._on_welcome(shard, message)
             if not parts:
@@ -1027,6 +1036,28 @@ class GeePSClient:
         log.warning("worker %d: reconnected to shard %d (%s), the same "
                     "process: resent %d updates, clocks and creates it may "
                     "not have got", self.worker_id, shard, address, resent)
+
+    def _reconnected_restoring(self, shard, parts, welcome, attempt):
+        """A reconnect to a restarted shard whose recovery was under way
+        (I/O thread): what that recovery sent (re-created rows, replays)
+        is resent under its own numbers, like anything else; the parts
+        whose replay had not gone out yet are re-declared and replayed,
+        the others only re-declared, for their rows."""
+        self._on_welcome(shard, welcome)
+        self._io.resend_unacknowledged(shard)
+        pending = self._restoring[shard]
+        self._recovering[shard] = sum((t.id, p) in pending for t, p in parts)
+        for table, part in parts:
+            if (table.id, part) in pending:
+                self._redeclare(shard, table, part, attempt)
+            else:
+                self._io.send_now(shard, self._declare_message(
+                    shard, table, part), attempt.future(self._fail_on_error))
+        if not self._recovering[shard]:
+            self._finish_recovery(shard)
+        log.warning("worker %d: reconnected to shard %d, the same process, "
+                    "while recovering it from its restart", self.worker_id,
+                    shard)
 
     def _declare_message(self, shard, table, part):
         """A DECLARE of `table`'s `part` on `shard` (numbered): the shard
@@ -1127,6 +1158,7 @@ class GeePSClient:
                     MsgType.CLOCK, table.id, clk=clk, worker=self.worker_id,
                     seq=self._next_seq(shard)))
             self._boundaries[(shard, table.id)] = boundary
+        self._restoring[shard].discard((table.id, part))
         self._recovering[shard] -= 1
         if self._recovering[shard] == 0:
             self._finish_recovery(shard)
@@ -1142,7 +1174,7 @@ class GeePSClient:
                          replayed_already)
         del self._recovering[shard]
         del self._attempts[shard]
-        self._restoring.discard(shard)
+        self._restoring.pop(shard, None)
         log.warning("worker %d: shard %d recovered", self.worker_id, shard)
 
     # ----------------------------------------------------- reads, updates

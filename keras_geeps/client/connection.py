@@ -9,6 +9,7 @@ outgoing traffic while that shard is being recovered.
 """
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -69,16 +70,28 @@ class Future:
 
 class _SealedLink:
     """A shard's sealed data socket, the session's channel and the sender
-    that paces what goes out on it."""
+    that paces what goes out on it.
 
-    def __init__(self, socket, channel):
+    Sends never block: a DEALER whose only connection the shard's ZAP
+    refused (a restarted shard, on the same data port, that does not know
+    the session) has nowhere to queue, and a blocking send would stop the
+    I/O thread for good. `on_refused(link)` is called instead, and the
+    message is lost, as on a broken connection."""
+
+    def __init__(self, socket, channel, on_refused):
         self.socket = socket
         self.channel = channel
         self.sender = seal.Sender(channel, self._send)
         self.broken = False  # it lost messages: nothing more is opened
+        self._on_refused = on_refused
 
     def _send(self, frames, track):
-        return self.socket.send_multipart(frames, copy=False, track=track)
+        try:
+            return self.socket.send_multipart(frames, zmq.NOBLOCK,
+                                              copy=False, track=track)
+        except zmq.Again:
+            self._on_refused(self)
+            return None
 
 
 class IOThread:
@@ -155,6 +168,7 @@ class IOThread:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        protocol.set_link_heartbeats(sock)
         return sock
 
     def send(self, shard, message, future=None):
@@ -218,6 +232,7 @@ class IOThread:
         fresh sequence numbers from `next_seq()`, since the shard counts
         this worker's requests from the HELLO that preceded the release.
         """
+        self._flush_outbox()  # (what was queued meanwhile is held too)
         self.held.discard(shard)
         # By original sequence number: refused requests that were sent
         # again (`requeue`) go before what was queued after them.
@@ -253,6 +268,13 @@ class IOThread:
             self._write(shard, protocol.encode(message), message, future)
         return len(unacked)
 
+    def break_link(self, shard):
+        """Opens nothing more from `shard`'s sealed link (it lost a
+        message) until a WELCOME replaces it (I/O thread only)."""
+        link = self._links.get(shard)
+        if link is not None:
+            link.broken = True
+
     def forget_unacknowledged(self, shard):
         """Drops what `resend_unacknowledged` would send: `shard` restarted,
         and its recovery's replay resends what its checkpoint lacks."""
@@ -260,7 +282,9 @@ class IOThread:
 
     def _acknowledged(self, shard, seq):
         """A reply to request `seq` of `shard`: replies come in the order
-        of the requests, so the shard got everything written before it."""
+        of the requests, so the shard got everything written before it.
+        Only a reply to a RESENDABLE request (one kept here) drops any:
+        a CLOCK's ACK comes every clock."""
         unacked = self._unacked.get(shard)
         if unacked and seq in unacked:
             while unacked.popitem(last=False)[0] != seq:
@@ -340,7 +364,10 @@ class IOThread:
         frames = protocol.encode(Message(MsgType.HEARTBEAT,
                                          worker=self._worker_id))
         self.bytes_out += sum(len(f) for f in frames)
-        self._sockets[shard].send_multipart(frames)
+        try:
+            self._sockets[shard].send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:  # no connection takes it (CURVE refused us)
+            pass
         link = self._links.get(shard)
         if link is not None and not link.broken:
             self.bytes_out += sum(len(f) for f in frames)
@@ -359,8 +386,20 @@ class IOThread:
         link = self._links.get(shard)
         if link is not None and kind != MsgType.HELLO:
             link.sender.send(frames)
-        else:
-            self._sockets[shard].send_multipart(frames, copy=False)
+            return
+        try:
+            self._sockets[shard].send_multipart(frames, zmq.NOBLOCK,
+                                                copy=False)
+        except zmq.Again:  # no connection takes it: CURVE refused us
+            error = GeePSError(f"shard {shard} ({self._addresses[shard]}) "
+                               f"has no connection that takes this worker's "
+                               f"{kind.name}: it refused the connection (does "
+                               f"it require CURVE keys, or not allow this "
+                               f"worker's?)")
+            if future is not None:
+                future.set(error=error)
+            else:
+                self.errors.append(error)
 
     def _pump_links(self):
         """Seals what the links' senders hold back once ZeroMQ has sent
@@ -396,9 +435,22 @@ class IOThread:
             self._seal_buffers = seal.Buffers()
         self._links[shard] = _SealedLink(sock, seal.Channel(
             session, bytes.fromhex(c2s), bytes.fromhex(s2c),
-            self._seal_buffers))
+            self._seal_buffers), functools.partial(self._link_refused, shard))
         self._poll_sockets[sock] = shard
         self._poller.register(sock, zmq.POLLIN)
+
+    def _link_refused(self, shard, link):
+        """`shard`'s data socket takes nothing (its ZAP refused the
+        session: the shard restarted): the link is broken, and the worker
+        says HELLO again (I/O thread)."""
+        if link.broken or self._links.get(shard) is not link:
+            return
+        link.broken = True
+        log.warning("worker %d: shard %d's data socket refuses this "
+                    "worker's session: saying HELLO again", self._worker_id,
+                    shard)
+        if self._on_broken is not None:
+            self._on_broken(shard, "the data socket refused the session")
 
     def _open(self, shard, frames, link):
         """The message in `frames` from `shard`, and its `seal.SealedFrame`s

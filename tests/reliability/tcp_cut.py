@@ -3,7 +3,9 @@
 A worker connected through a `CuttableLink` sees a real broken
 connection when the test cuts it: both of the forwarder's sockets are
 reset (SO_LINGER 0), whatever was on the way is lost, and ZeroMQ's
-reconnect goes through the link again, to the same shard process.
+reconnect goes through the link again, to the same shard process. A
+stalled link is a half-open connection: both ends stay connected while
+everything sent on it vanishes; new connections go through.
 """
 
 import socket
@@ -26,6 +28,8 @@ class CuttableLink:
     'tcp://127.0.0.1:41234'
     >>> link.cut_after(1 << 20)  # mid-stream, once 1 MiB more went in
     >>> link.cut_after(1 << 20, inbound=False)  # or came back
+    >>> link.stall()  # half-open: connected, carrying nothing
+    >>> link.corrupt_after(1 << 20)  # one bit flipped on the way
     >>> link.close()
     """
 
@@ -36,6 +40,7 @@ class CuttableLink:
         self._lock = threading.Lock()
         self._pairs = []
         self._cut_at = None   # (inbound?, cut when that count reaches it)
+        self._flip_at = None  # (inbound?, the byte of that count to flip)
         self.bytes_in = 0     # client -> target bytes forwarded
         self.bytes_out = 0    # target -> client bytes forwarded
         self.cuts = 0
@@ -54,8 +59,15 @@ class CuttableLink:
             self._cut_at = None
             self.cuts += 1
         for pair in pairs:
-            for sock in pair:
+            for sock in pair[:2]:
                 _reset(sock)
+
+    def stall(self):
+        """Drops, from now on, whatever the connections through the link
+        now carry, either way, and closes none of them."""
+        with self._lock:
+            for pair in self._pairs:
+                pair[2] = True
 
     def cut_after(self, nbytes, inbound=True):
         """Cuts once `nbytes` more bytes went from clients to the target
@@ -64,6 +76,14 @@ class CuttableLink:
         with self._lock:
             self._cut_at = (inbound, nbytes + (self.bytes_in if inbound
                                                else self.bytes_out))
+
+    def corrupt_after(self, nbytes, inbound=True):
+        """Flips one bit of the byte `nbytes` further on in the stream from
+        clients to the target (or back, with `inbound` False), and
+        forwards it: damage on the wire that TCP's checksum missed."""
+        with self._lock:
+            self._flip_at = (inbound, nbytes + (self.bytes_in if inbound
+                                                else self.bytes_out))
 
     def close(self):
         self._closed = True
@@ -82,15 +102,16 @@ class CuttableLink:
             except OSError:
                 _reset(client)
                 continue
+            pair = [client, upstream, False]  # (stalled)
             with self._lock:
-                self._pairs.append((client, upstream))
+                self._pairs.append(pair)
             for source, sink, inbound in ((client, upstream, True),
                                           (upstream, client, False)):
                 threading.Thread(target=self._pump,
-                                 args=(source, sink, inbound),
+                                 args=(source, sink, inbound, pair),
                                  daemon=True).start()
 
-    def _pump(self, source, sink, inbound):
+    def _pump(self, source, sink, inbound, pair):
         while True:
             try:
                 data = source.recv(1 << 16)
@@ -100,10 +121,17 @@ class CuttableLink:
                 _reset(sink)
                 return
             with self._lock:
+                before = self.bytes_in if inbound else self.bytes_out
                 if inbound:
                     self.bytes_in += len(data)
                 else:
                     self.bytes_out += len(data)
+                flip = self._flip_at
+                if flip is not None and flip[0] == inbound and \
+                        before <= flip[1] < before + len(data):
+                    data = bytearray(data)
+                    data[flip[1] - before] ^= 0x10
+                    self._flip_at = None
                 due = self._cut_at is not None and \
                     self._cut_at[0] == inbound and \
                     (self.bytes_in if inbound else self.bytes_out) >= \
@@ -111,6 +139,8 @@ class CuttableLink:
             if due:
                 self.cut()
                 return
+            if pair[2]:
+                continue
             try:
                 sink.sendall(data)
             except OSError:
