@@ -42,20 +42,32 @@ DEFAULT_CHUNK_BYTES = 2 * 1024 * 1024
 # went from 0.62-0.70 to 0.74 of its plain speed.
 IO_THREADS = 2
 
-# ZeroMQ's own heartbeats (ZMTP PING/PONG, in its I/O threads) on every
-# shard and worker socket: a connection that hears nothing for
-# LINK_TIMEOUT_MS after a PING is closed, and a worker's socket connects
-# again. A half-open TCP connection (a peer's end reset by a network
-# fault, the other never told) thus breaks within seconds, not TCP's
-# minutes, and the worker resumes (see the client's recovery).
+# ZeroMQ's own heartbeats (ZMTP PING/PONG, in its I/O threads) on a
+# worker's sockets to a shard on another host: a connection that hears
+# nothing for LINK_TIMEOUT_MS after a PING is closed and connects again,
+# and a sealed link that hears nothing that long (the shard echoes the
+# worker's heartbeats on it) is ended. A half-open TCP connection (a
+# peer's end reset by a network fault, the other never told) thus breaks
+# within seconds, not TCP's minutes, and the worker resumes (see the
+# client's recovery). Not on loopback, where no network breaks but a
+# process paused in a debugger for longer would lose its connections.
 LINK_PING_MS = 2000
 LINK_TIMEOUT_MS = 20000
+LINK_HEARTBEATS_ON_LOOPBACK = False  # (tests turn them on)
 
 
-def set_link_heartbeats(sock):
-    """Sets LINK_PING_MS and LINK_TIMEOUT_MS on a ZeroMQ socket (before it
-    binds or connects)."""
+def is_loopback(address):
+    """Whether a ZeroMQ tcp:// address names this host's loopback."""
+    host = address.rsplit("//", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in ("localhost", "::1")
+
+
+def set_link_heartbeats(sock, address):
+    """Sets LINK_PING_MS and LINK_TIMEOUT_MS on a ZeroMQ socket about to
+    connect to `address`, unless that is loopback."""
     import zmq  # noqa: PLC0415 (the wire format itself needs no ZeroMQ)
+    if is_loopback(address) and not LINK_HEARTBEATS_ON_LOOPBACK:
+        return
     sock.setsockopt(zmq.HEARTBEAT_IVL, LINK_PING_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LINK_TIMEOUT_MS)
 

@@ -550,7 +550,6 @@ class ShardServer:
                 sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
-            protocol.set_link_heartbeats(sock)
             # No frame larger than a whole message is taken in: libzmq
             # drops the connection of a peer that sends one before it is
             # buffered (room left for the header and any overhead).

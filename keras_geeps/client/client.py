@@ -1055,6 +1055,7 @@ class GeePSClient:
                     shard, table, part), attempt.future(self._fail_on_error))
         if not self._recovering[shard]:
             self._finish_recovery(shard)
+        self.reconnects += 1
         log.warning("worker %d: reconnected to shard %d, the same process, "
                     "while recovering it from its restart", self.worker_id,
                     shard)

@@ -83,6 +83,7 @@ class _SealedLink:
         self.channel = channel
         self.sender = seal.Sender(channel, self._send)
         self.broken = False  # it lost messages: nothing more is opened
+        self.heard = time.monotonic()  # when a message last came on it
         self._on_refused = on_refused
 
     def _send(self, frames, track):
@@ -124,6 +125,7 @@ class IOThread:
                  on_turn=None, on_broken=None):
         self._addresses = list(addresses)
         self._on_broken = on_broken
+        self._broken = {}  # shard -> why its link broke, told next turn
         self._on_turn = on_turn
         self._on_rows = on_rows
         self._on_error = on_error
@@ -142,7 +144,7 @@ class IOThread:
         self._poll_sockets = {}  # socket -> shard, read by the thread
         self._sockets = []
         for shard, address in enumerate(self._addresses):
-            sock = self._dealer()
+            sock = self._dealer(address)
             if curve is not None:
                 curve.apply(sock, shard)
             sock.connect(address)
@@ -162,13 +164,13 @@ class IOThread:
                                         daemon=True)
         self._thread.start()
 
-    def _dealer(self):
-        """A DEALER with this thread's options (not yet connected)."""
+    def _dealer(self, address):
+        """A DEALER with this thread's options, to connect to `address`."""
         sock = self._context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        protocol.set_link_heartbeats(sock)
+        protocol.set_link_heartbeats(sock, address)
         return sock
 
     def send(self, shard, message, future=None):
@@ -343,6 +345,8 @@ class IOThread:
                     next_beat = time.monotonic() + self.heartbeat_interval
                     for shard in range(len(self._sockets)):
                         self._heartbeat(shard)
+                    self._watch_links()
+                self._tell_broken()
         except Exception:  # keep the reason; the caller times out on it
             log.exception("keras_geeps I/O thread failed")
             self.errors.append(GeePSServerError("the I/O thread failed; see "
@@ -426,11 +430,12 @@ class IOThread:
             self._poll_sockets.pop(old.socket, None)
             self._poller.unregister(old.socket)
             old.socket.close(linger=0)
-        sock = self._dealer()
+        address = f"{self._addresses[shard].rsplit(':', 1)[0]}:{port}"
+        sock = self._dealer(address)
         sock.setsockopt(zmq.ROUTING_ID, session)
         sock.plain_username = plain_username.encode()  # the shard's ZAP
         sock.plain_password = token.encode()  # check lets it connect
-        sock.connect(f"{self._addresses[shard].rsplit(':', 1)[0]}:{port}")
+        sock.connect(address)
         if self._seal_buffers is None:  # one pool: all seal in this thread
             self._seal_buffers = seal.Buffers()
         self._links[shard] = _SealedLink(sock, seal.Channel(
@@ -449,8 +454,32 @@ class IOThread:
         log.warning("worker %d: shard %d's data socket refuses this "
                     "worker's session: saying HELLO again", self._worker_id,
                     shard)
+        # Told on the loop's next turn, not from inside the write that
+        # found it (a recovery's own write: it would start another midway).
+        self._broken[shard] = "the data socket refused the session"
+
+    def _tell_broken(self):
+        """Runs `on_broken` for the links found broken since (I/O thread)."""
+        broken, self._broken = self._broken, {}
         if self._on_broken is not None:
-            self._on_broken(shard, "the data socket refused the session")
+            for shard, reason in broken.items():
+                self._on_broken(shard, reason)
+
+    def _watch_links(self):
+        """Breaks a sealed link that heard nothing, its echoed heartbeats
+        included, for protocol.LINK_TIMEOUT_MS: a half-open connection,
+        or one the shard keeps refusing (I/O thread; with heartbeats)."""
+        quiet = time.monotonic() - protocol.LINK_TIMEOUT_MS / 1000
+        for shard, link in self._links.items():
+            if protocol.is_loopback(self._addresses[shard]) and \
+                    not protocol.LINK_HEARTBEATS_ON_LOOPBACK:
+                continue
+            if not link.broken and link.heard < quiet:
+                link.broken = True
+                log.warning("worker %d: shard %d's sealed link heard nothing "
+                            "for %g s: saying HELLO again", self._worker_id,
+                            shard, protocol.LINK_TIMEOUT_MS / 1000)
+                self._broken[shard] = "the sealed link went silent"
 
     def _open(self, shard, frames, link):
         """The message in `frames` from `shard`, and its `seal.SealedFrame`s
@@ -509,6 +538,8 @@ class IOThread:
             except zmq.Again:
                 return
             self.bytes_in += sum(len(f) for f in frames)
+            if link is not None:
+                link.heard = time.monotonic()
             try:
                 message, sealed = self._open(shard, frames, link)
             except ProtocolError as exc:

@@ -172,31 +172,45 @@ def test_a_damaged_sealed_message_ends_the_link_and_loses_nothing(keys):
 
 
 @pytest.mark.slow
-def test_a_half_open_connection_is_given_up_and_resumed(monkeypatch):
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_half_open_connection_is_given_up_and_resumed(monkeypatch, keys,
+                                                        sealed):
     """The link goes silent mid-update: worker 0's connection stays open
     but carries nothing, either way. ZeroMQ's heartbeats (shortened here
-    for the in-process worker) close it, the socket connects again
-    through the link, and the worker resumes with nothing lost."""
+    for the in-process worker, and on although the link is on loopback)
+    close it and the socket connects again through the link; a sealed
+    link, whose new connection the shard refuses while it still holds
+    the silent one under the same routing id, is ended when it heard
+    nothing for LINK_TIMEOUT_MS. The worker resumes with nothing lost."""
     monkeypatch.setattr(protocol, "LINK_PING_MS", 100)
     monkeypatch.setattr(protocol, "LINK_TIMEOUT_MS", 1000)
+    monkeypatch.setattr(protocol, "LINK_HEARTBEATS_ON_LOOPBACK", True)
     stalled = []
-
-    def stall(clk):
-        if clk == 1:
-            link.stall()
-            stalled.append(time.monotonic())
 
     def resumed_soon(clk):
         if clk == 1:
             assert time.monotonic() - stalled[0] < 10
 
-    with LocalCluster(1, 2, processes=True, output=sys.stderr) as cluster:
-        link = CuttableLink(_target(cluster.addresses[0]))
-        try:
-            stats, _ = count(_Clients(cluster, link.address), 4,
-                             before_clock=stall, after_read=resumed_soon)
-        finally:
-            link.close()
+    with contextlib.ExitStack() as stack:
+        if sealed:
+            cluster = stack.enter_context(keyed_cluster(keys, workers=2))
+            main, link = stack.enter_context(_sealed_links(cluster))
+            clients = _Clients(cluster, main.address,
+                               curve=worker_keys(keys))
+        else:
+            cluster = stack.enter_context(LocalCluster(
+                1, 2, processes=True, output=sys.stderr))
+            link = CuttableLink(_target(cluster.addresses[0]))
+            stack.callback(link.close)
+            clients = _Clients(cluster, link.address)
+
+        def stall(clk):
+            if clk == 1:
+                link.stall()
+                stalled.append(time.monotonic())
+
+        stats, _ = count(clients, 4, before_clock=stall,
+                         after_read=resumed_soon)
         assert stats[0]["reconnects"] >= 1
 
 
