@@ -130,8 +130,10 @@ STARTUP_GRACE_S = 60.0
 WRITER_JOIN_S = 60.0
 # The requests handled at most once per sequence number (a worker resends
 # them after its connection broke), and how many of a worker's latest
-# answers to them that say more than a plain ACK (a refusal, a CREATE's
-# clocks) are kept to answer a resend with.
+# answers to them that say more than a bare ACK would (a refusal; a
+# CREATE's ACK of a table that existed, or at a clock past 0) are kept to
+# answer a resend with. Those are rare: a table's thousands of CREATE
+# chunks do not push them out.
 ONCE_ONLY = frozenset({MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK})
 KEPT_ANSWERS = 1024
 # The longest wait before retrying a checkpoint whose write failed.
@@ -694,8 +696,10 @@ class ShardServer:
         """Sends `reply` to `request`, kept for a resend of a ONCE_ONLY
         request from its worker's connection (the shard handles it once,
         and a resend means this answer may have been lost)."""
-        if request is not None and request.type in ONCE_ONLY and \
-                request.worker in self._seqs and \
+        telling = reply.type == MsgType.ERROR or \
+            reply.meta.get("existing") or reply.meta.get("global_clock", 0)
+        if telling and request is not None and request.type in ONCE_ONLY \
+                and request.worker in self._seqs and \
                 self._identities.get(request.worker) == identity:
             kept = self._answers.setdefault(request.worker,
                                             collections.OrderedDict())
