@@ -1,6 +1,7 @@
 """A shard in a thread, driven through raw sockets and through the client."""
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -251,6 +252,10 @@ def test_a_new_connection_of_the_same_worker_resends_exactly_once():
              arrays=[np.zeros((4, 3), np.float32)])
         assert old.recv().type == MsgType.ACK
         send(old, MsgType.UPDATE, 3, table=0, clk=0, arrays=ones)
+        deadline = time.monotonic() + 10  # (the shard has it: no reply)
+        while server.stats["updates_applied"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         # (seq 4, an update of the same clock, was lost with the connection)
         send(new, MsgType.UPDATE, 5, table=0, clk=0, arrays=ones)
         refusal = new.recv()
@@ -261,10 +266,12 @@ def test_a_new_connection_of_the_same_worker_resends_exactly_once():
         for seq in (3, 4, 5):  # everything not acknowledged, as numbered
             send(new, MsgType.UPDATE, seq, table=0, clk=0, arrays=ones)
         send(new, MsgType.CLOCK, 7, table=0, clk=0)
-        replies = [r for r in new.drain() if r.type == MsgType.ACK]
+        replies = [r for r in [new.recv()] + new.drain()
+                   if r.type == MsgType.ACK]
         assert [r.seq for r in replies] == [7]
         send(new, MsgType.READ, 8, table=0, clk=1)
-        rows = [r for r in new.drain() if r.type == MsgType.ROWS]
+        rows = [r for r in [new.recv()] + new.drain()
+                   if r.type == MsgType.ROWS]
         np.testing.assert_array_equal(rows[-1].arrays[0], 3.0)  # not 4
         assert server.stats["duplicates"] == 1
         elsewhere = RawPeer(other.address)  # another shard: another number
@@ -285,8 +292,12 @@ def test_a_resent_request_gets_its_first_answer_again(shard, peer):
     (its answer was lost with a connection) is not handled again: it gets
     the answer it got the first time, not a bare ACK or silence."""
     def ask(seq, kind, **kwargs):
+        """The replies to one request: the first within 5 s, then any
+        more within 0.3 s."""
         peer.send(Message(kind, seq=seq, worker=0, **kwargs))
-        return [r for r in peer.drain() if r.type != MsgType.PUSH]
+        replies = [peer.recv()]
+        replies += peer.drain()
+        return [r for r in replies if r.type != MsgType.PUSH]
 
     wrong = dict(table=0, clk=3, arrays=[np.ones((4, 3), np.float32)])
     first = ask(100, MsgType.UPDATE, **wrong)
