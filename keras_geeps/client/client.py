@@ -313,6 +313,7 @@ class GeePSClient:
         # shard -> {(table id, part)} whose replay its restart recovery has
         # still to send (while that recovery is under way)
         self._restoring = {}
+        self._declared_again = {}  # shard -> a reconnect's DECLARE futures
         self._shm_peers = {}   # shard -> (shm.PeerBuffers, its arena token)
         self._shm_upload = set()  # shards that map our update buffers
         self._releases = collections.deque()  # (shard, token, buffer id)
@@ -968,6 +969,8 @@ class GeePSClient:
         given_up = self._attempts.get(shard)
         if given_up is not None:  # its requests will never be answered
             self._io.forget(given_up.futures)
+        # (nor will a finished reconnect's DECLAREs still unanswered)
+        self._io.forget(self._declared_again.pop(shard, []))
         attempt = self._attempts[shard] = _RecoveryAttempt()
 
         def welcomed(message, error):
@@ -1026,9 +1029,11 @@ class GeePSClient:
             return
         self._on_welcome(shard, welcome)
         resent = self._io.resend_unacknowledged(shard)
+        declared = self._declared_again[shard] = []
         for table, part in parts:
+            declared.append(Future(self._fail_on_error))
             self._io.send_now(shard, self._declare_message(shard, table, part),
-                              Future(self._fail_on_error))
+                              declared[-1])
         self._io.release(shard, lambda: self._next_seq(shard))
         del self._recovering[shard]
         del self._attempts[shard]
