@@ -30,6 +30,7 @@ class CuttableLink:
     >>> link.cut_after(1 << 20, inbound=False)  # or came back
     >>> link.stall()  # half-open: connected, carrying nothing
     >>> link.corrupt_after(1 << 20)  # one bit flipped on the way
+    >>> link.cut_on(b"ready", inbound=False)  # when those bytes come back
     >>> link.close()
     """
 
@@ -41,6 +42,7 @@ class CuttableLink:
         self._pairs = []
         self._cut_at = None   # (inbound?, cut when that count reaches it)
         self._flip_at = None  # (inbound?, the byte of that count to flip)
+        self._cut_on = None   # (inbound?, bytes whose chunk is cut)
         self.bytes_in = 0     # client -> target bytes forwarded
         self.bytes_out = 0    # target -> client bytes forwarded
         self.cuts = 0
@@ -76,6 +78,12 @@ class CuttableLink:
         with self._lock:
             self._cut_at = (inbound, nbytes + (self.bytes_in if inbound
                                                else self.bytes_out))
+
+    def cut_on(self, pattern, inbound=True):
+        """Cuts when a chunk read from clients (or, with `inbound` False,
+        from the target) contains `pattern`; that chunk is lost."""
+        with self._lock:
+            self._cut_on = (inbound, bytes(pattern))
 
     def corrupt_after(self, nbytes, inbound=True):
         """Flips one bit of the byte `nbytes` further on in the stream from
@@ -136,6 +144,10 @@ class CuttableLink:
                     self._cut_at[0] == inbound and \
                     (self.bytes_in if inbound else self.bytes_out) >= \
                     self._cut_at[1]
+                if self._cut_on is not None and \
+                        self._cut_on[0] == inbound and \
+                        self._cut_on[1] in data:
+                    self._cut_on, due = None, True
             if due:
                 self.cut()
                 return

@@ -215,13 +215,23 @@ def test_a_half_open_connection_is_given_up_and_resumed(monkeypatch, keys,
 
 
 @pytest.mark.slow
-def test_a_break_in_a_restart_recoverys_replay_loses_nothing(tmp_path):
+@pytest.mark.parametrize("when", ["during", "before"])
+def test_a_break_in_a_restart_recovery_loses_nothing(tmp_path, caplog,
+                                                     when):
     """The shard is killed after clock 5 and restarted from its clock-0
-    checkpoint; the link is cut 2.5 MiB on (worker 0's clock-6 update,
-    which the new shard refuses, then part of its replay of clocks 0-6).
-    The next WELCOME comes from the restored process: the replay (sent
-    under new numbers, not yet acknowledged) is resent under those
-    numbers, and the restored shard applies each update once."""
+    checkpoint, and worker 0's link is cut while it recovers the shard:
+
+    - "during" its replay of clocks 0-6, 2.5 MiB on (its clock-6 update,
+      which the new shard refuses, then part of the replay). The replay,
+      sent under new numbers and not yet acknowledged, is resent under
+      those numbers after the next WELCOME.
+    - "before" any replay went out: on the restored shard's answer to its
+      DECLARE (the ACK carries "ready", which msgpack writes as 0xa5
+      "ready"; pushes, WELCOMEs and refusals carry no such key). The next
+      WELCOME comes from the same restored process while the recovery is
+      under way: the part is declared and replayed then.
+
+    Either way the restored shard applies each update once."""
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "50"]
 
     def restart(clk):
@@ -229,15 +239,21 @@ def test_a_break_in_a_restart_recoverys_replay_loses_nothing(tmp_path):
             victim = cluster.shards[0]
             victim.kill()
             cluster.shards[0] = victim.restart(["--restore"])
-            link.cut_after(5 * ROWS * WIDTH * 2)
+            if when == "during":
+                link.cut_after(5 * ROWS * WIDTH * 2)
+            else:
+                link.cut_on(b"\xa5ready", inbound=False)
 
     with LocalCluster(1, 2, processes=True, output=sys.stderr,
                       shard_args=args) as cluster:
         link = CuttableLink(_target(cluster.addresses[0]))
         try:
-            stats, _ = count(_Clients(cluster, link.address), 8,
-                             after_read=restart)
+            with caplog.at_level("WARNING", logger="keras_geeps.client"):
+                stats, _ = count(_Clients(cluster, link.address), 8,
+                                 after_read=restart)
         finally:
             link.close()
-        assert link.cuts == 2  # (the cut mid-replay, and close)
+        assert link.cuts == 2  # (the cut, and close)
         assert stats[0]["reconnects"] >= 1
+        assert ("while recovering it from its restart" in caplog.text) == \
+            (when == "before")
