@@ -1293,7 +1293,12 @@ class ShardServer:
         self._serve_parked()
 
     def _retire(self, table, data):
-        """Returns replaced rows to the pool, reusable once their sends end."""
+        """Returns replaced rows to the pool, reusable once their sends end.
+        Rows the next checkpoint is still to hold (restored ones are their
+        own snapshot) are not: a later clock would be written into them."""
+        if table.snapshot is not None and table.snapshot[1] is data:
+            self._trackers.pop(id(data), None)
+            return
         table.pool.put(data, self._trackers.pop(id(data), []))
 
     def _push(self, table, worker):

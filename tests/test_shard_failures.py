@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
-from keras_geeps import protocol
+from keras_geeps import checkpoint, protocol
 from keras_geeps import shard as shard_module
 from keras_geeps.auth import keygen
 from keras_geeps.protocol import MsgType
@@ -298,3 +298,50 @@ def test_a_shard_that_cannot_start_leaves_nothing_running(tmp_path):
         assert set(threading.enumerate()) <= threads
     finally:
         first._close()
+
+
+def test_restored_rows_stay_their_checkpoints_rows_without_shared_memory(
+        tmp_path):
+    """A restored table's rows are also its snapshot until its next one.
+    Without shared memory the row pool would hand them out again once the
+    table moved on, and the next checkpoint (another table's snapshot
+    starts it) would hold a later clock's sums under the restored clock:
+    a restore from it would apply those updates twice."""
+    checkpoint.write(tmp_path, 0, 1, 1, {
+        0: (spec(4, 2, "a"), 3, np.full((4, 2), 1, np.float32)),
+        1: (spec(4, 2, "b"), 4, np.full((4, 2), 2, np.float32))})
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
+        shared_memory=False, checkpoint_dir=str(tmp_path),
+        checkpoint_every=5), restore=True).start()
+    peer = RawPeer(server.address, 0)
+    try:
+        assert peer.ask(MsgType.HELLO, meta={"incarnation": 1}).type == \
+            MsgType.WELCOME
+        for table, name in ((0, "a"), (1, "b")):
+            assert peer.ask_past_pushes(MsgType.DECLARE, table=table,
+                                        meta=spec(4, 2, name)).type == \
+                MsgType.ACK
+        # Table 0 leaves its restored rows behind (clock 4), and its
+        # clock-4 update goes into a buffer from its pool.
+        peer.send(peer.message(MsgType.UPDATE, table=0, clk=3,
+                               arrays=[np.ones((4, 2), np.float32)]))
+        assert peer.ask_past_pushes(MsgType.CLOCK, table=0,
+                                    clk=3).type == MsgType.ACK
+        peer.send(peer.message(MsgType.UPDATE, table=0, clk=4,
+                               arrays=[np.full((4, 2), 10, np.float32)]))
+        # Table 1 reaches clock 5: a snapshot, so a checkpoint is written.
+        assert peer.ask_past_pushes(MsgType.CLOCK, table=1,
+                                    clk=4).type == MsgType.ACK
+        deadline = time.monotonic() + 10
+        while server.stats["checkpoints"] < 1 and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.stats["checkpoints"] >= 1
+    finally:
+        peer.close()
+        server.stop()
+    tables = checkpoint.load(tmp_path, 0, 1, 1)
+    assert tables[1][1] == 5
+    np.testing.assert_array_equal(tables[1][2], np.full((4, 2), 2))
+    assert tables[0][1] == 3
+    np.testing.assert_array_equal(tables[0][2], np.full((4, 2), 1))
