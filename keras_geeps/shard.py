@@ -1048,16 +1048,19 @@ class ShardServer:
             if message.meta.get("chunk_row", 0) == 0:
                 self._push(table, message.worker)
             return
-        row = message.meta.get("chunk_row", 0)
+        # Every frame is checked before any is written: a refused CREATE
+        # leaves no rows behind (its corrected resend must not find them).
+        row, spans = message.meta.get("chunk_row", 0), []
         for array in message.arrays:
             self._check_rows(table, array, row)
-            rows = slice(row, row + array.shape[0])
-            if table.initialised[rows].any():
+            spans.append((slice(row, row + array.shape[0]), array))
+            if table.initialised[spans[-1][0]].any():
                 raise RequestError(f"table {table.id}: rows from {row} are "
                                    f"already initialised")
+            row += array.shape[0]
+        for rows, array in spans:
             table.data[rows] = array
             table.initialised[rows] = True
-            row += array.shape[0]
         complete = not table.ready and table.initialised.all()
         if complete:
             table.ready = True

@@ -345,3 +345,20 @@ def test_restored_rows_stay_their_checkpoints_rows_without_shared_memory(
     np.testing.assert_array_equal(tables[1][2], np.full((4, 2), 2))
     assert tables[0][1] == 3
     np.testing.assert_array_equal(tables[0][2], np.full((4, 2), 1))
+
+
+def test_a_refused_create_writes_none_of_its_rows(servers):
+    """A CREATE whose second frame is wrong is refused whole: its first
+    frame's rows are not written, so the corrected CREATE is taken."""
+    server = servers(num_workers=1)
+    peer = servers.peer(server, 0)
+    reply = peer.ask(MsgType.CREATE, table=0, arrays=[
+        np.full((2, 3), 5, np.float32), np.zeros((2, 3), np.float64)],
+        meta=dict(spec(4, 3), chunk_row=0))
+    assert reply.type == MsgType.ERROR and "float64" in reply.meta["error"]
+    _create(peer, 4, 3, value=7.0)
+    assert peer.ask_past_pushes(MsgType.CLOCK, table=0,
+                                clk=0).type == MsgType.ACK
+    reply = peer.ask_past_pushes(MsgType.READ, table=0, clk=1)
+    assert reply.type == MsgType.ROWS
+    np.testing.assert_array_equal(reply.arrays[0], np.full((4, 3), 7))
