@@ -930,8 +930,10 @@ class ShardServer:
                 self._end_lend(table, reuse=False)
         self._shm_writers.pop(worker, None)
         self._shm_readers.discard(worker)
-        for holders in self._holds.values():
+        for buffer_id, holders in list(self._holds.items()):
             holders.pop(worker, None)
+            if not holders:
+                del self._holds[buffer_id]
 
     def _release(self, worker, message):
         if self._arena is None or \

@@ -329,6 +329,10 @@ def test_a_dead_workers_buffers_are_freed(thread_cluster):
         client.clock()                                     # shared
     kept = doomed.read_shared(mine)
     assert kept is not None
+    for client, t in ((survivor, table), (doomed, mine)):  # the survivor
+        client.update(t, np.ones((64, 64), np.float32))    # lets go of
+        client.clock()                                     # those rows:
+    survivor.read(table, clock=2)  # `kept` is the doomed worker's alone
     held = server.snapshot_stats()["shm_held"]
     assert held >= 1
     doomed.close()  # its heartbeats stop; it never releases `kept`
@@ -338,10 +342,11 @@ def test_a_dead_workers_buffers_are_freed(thread_cluster):
         time.sleep(0.1)
     stats = server.snapshot_stats()
     assert stats["shm_held"] <= held - 1 and 1 not in stats["shm_workers"]
+    assert all(server._holds.values())  # no empty entry left per buffer
     # The survivor goes on alone.
     survivor.update(table, np.ones((64, 64), np.float32))
     survivor.clock()
-    np.testing.assert_array_equal(survivor.read(table, clock=2), 3.0)
+    np.testing.assert_array_equal(survivor.read(table, clock=3), 5.0)
     survivor.close()
 
 
