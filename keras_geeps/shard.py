@@ -52,7 +52,8 @@ class ShardSettings:
             hold: rows, pending clocks, lent and snapshot buffers, and
             pooled buffers still being sent. Defaults to 16 GiB.
         max_pending_clocks: how far ahead of the global clock a worker's
-            update may be (bounds SSP buffers). Defaults to 64.
+            update or clock may be (bounds SSP buffers, and the clocks one
+            advance covers). Defaults to 64.
         max_parked_reads: most reads waiting for freshness. Defaults to 4096.
         chunk_bytes: size of the row chunks the shard sends. Defaults to
             `protocol.DEFAULT_CHUNK_BYTES`.
@@ -126,6 +127,8 @@ class RequestError(Exception):
 # How long after the job's first HELLO (or a restore) a worker that never
 # said HELLO counts as dead, when it exceeds worker_timeout: room to start.
 STARTUP_GRACE_S = 60.0
+# How many CHECKPOINT requests may wait for the writer; more are refused.
+MAX_CHECKPOINT_REQUESTS = 64
 # How long a stopping shard waits for the checkpoint being written.
 WRITER_JOIN_S = 60.0
 # The requests handled at most once per sequence number (a worker resends
@@ -511,7 +514,11 @@ class ShardServer:
             poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                self._housekeeping()
+                try:
+                    self._housekeeping()
+                except Exception:  # a bug must not take the shard down
+                    log.exception("shard %d: internal error in its "
+                                  "housekeeping", self.shard_id)
                 ready = seal.poll_paced(poller, self._pump_sealed(),
                                         self.settings.poll_timeout_ms)
                 for sock, dispatch in sockets:
@@ -1138,11 +1145,7 @@ class ShardServer:
             raise RequestError(f"worker {worker} sent an update of table "
                                f"{table.id} for clock {clk}, but its current "
                                f"clock is {current}")
-        if clk - table.global_clock > self.settings.max_pending_clocks:
-            raise RequestError(f"worker {worker} is {clk - table.global_clock}"
-                               f" clocks ahead of table {table.id}'s global "
-                               f"clock (max_pending_clocks="
-                               f"{self.settings.max_pending_clocks})")
+        self._check_ahead(table, worker, clk)
         arrays = message.arrays
         indexed = message.meta.get("indexed", False)
         if indexed:
@@ -1250,6 +1253,15 @@ class ShardServer:
                 table.pool.discard(table.lent[2])
             table.lent = None
 
+    def _check_ahead(self, table, worker, clk):
+        """Refuses an UPDATE or CLOCK of a clock too far ahead of the
+        table's global clock (the client keeps its slack within it)."""
+        if clk - table.global_clock > self.settings.max_pending_clocks:
+            raise RequestError(f"worker {worker} is {clk - table.global_clock}"
+                               f" clocks ahead of table {table.id}'s global "
+                               f"clock (max_pending_clocks="
+                               f"{self.settings.max_pending_clocks})")
+
     def _clock(self, identity, message):
         table = self._tables.get(message.table)
         if table is None:
@@ -1260,6 +1272,7 @@ class ShardServer:
             raise RequestError(f"worker {worker} finished clock {clk} of "
                                f"table {table.id}, but its current clock is "
                                f"{current}")
+        self._check_ahead(table, worker, clk)
         table.vclock[worker] = clk + 1
         self._send(identity, Message(MsgType.ACK, table=table.id,
                                      seq=message.seq))
@@ -1383,9 +1396,25 @@ class ShardServer:
     def _checkpoint_request(self, identity, message):
         if not self.settings.checkpoint_dir:
             raise RequestError("this shard has no checkpoint_dir")
-        for table in self._tables.values():
-            if table.ready:
-                table.snapshot = (table.global_clock, table.data.copy())
+        if len(self._ckpt_requests) >= MAX_CHECKPOINT_REQUESTS:
+            raise RequestError(f"{len(self._ckpt_requests)} checkpoint "
+                               f"requests already wait for the one being "
+                               f"written")
+        # Copies only of tables that moved on since their snapshot (a
+        # burst of requests copies nothing twice), and only within
+        # max_table_bytes: a table with no snapshot of its own gains one.
+        stale = [t for t in self._tables.values() if t.ready and (
+            t.snapshot is None or t.snapshot[0] != t.global_clock)]
+        extra = sum(t.nbytes for t in stale
+                    if t.snapshot is None or t.snapshot[1] is t.data)
+        if extra and not self._room_for(extra):
+            raise RequestError(
+                f"no memory to snapshot the tables for a checkpoint "
+                f"({extra} bytes; max_table_bytes="
+                f"{self.settings.max_table_bytes}, {self._held_bytes()} "
+                f"bytes held)")
+        for table in stale:
+            table.snapshot = (table.global_clock, table.data.copy())
         self._ckpt_requests.append((identity, message.seq))
 
     def _housekeeping(self):

@@ -362,3 +362,60 @@ def test_a_refused_create_writes_none_of_its_rows(servers):
     reply = peer.ask_past_pushes(MsgType.READ, table=0, clk=1)
     assert reply.type == MsgType.ROWS
     np.testing.assert_array_equal(reply.arrays[0], np.full((4, 3), 7))
+
+
+def test_a_clock_too_far_ahead_is_refused(servers):
+    """CLOCKs, like UPDATEs, stay within max_pending_clocks of the global
+    clock: a worker cannot pile up clocks for one advance to run through
+    when the slowest worker moves (or is declared dead)."""
+    server = servers(num_workers=2, max_pending_clocks=2)
+    first, _ = _two_workers_one_table(servers, server)
+    for clk in range(3):
+        assert first.ask_past_pushes(MsgType.CLOCK, table=0,
+                                     clk=clk).type == MsgType.ACK
+    reply = first.ask_past_pushes(MsgType.CLOCK, table=0, clk=3)
+    assert reply.type == MsgType.ERROR
+    assert "max_pending_clocks=2" in reply.meta["error"]
+    assert server.snapshot_stats()["tables"]["0"]["global_clock"] == 0
+
+
+def test_checkpoint_requests_are_bounded_and_copy_within_the_limit(
+        servers, tmp_path, monkeypatch):
+    """CHECKPOINT requests (anyone may send them) copy a table only when
+    it moved on since its snapshot, only within max_table_bytes, and at
+    most MAX_CHECKPOINT_REQUESTS wait for the writer; each is answered."""
+    rows, width = 64, 64
+    nbytes = rows * width * 4
+    server = servers(num_workers=1, checkpoint_dir=str(tmp_path),
+                     max_table_bytes=3 * nbytes)
+    peer = servers.peer(server, 0)
+    _create(peer, rows, width)
+    tiny = servers.peer(servers(num_workers=1, checkpoint_dir=str(
+        tmp_path / "tiny"), max_table_bytes=2 * nbytes), 0)
+    _create(tiny, rows, width)  # room for its rows and one clock only,
+    tiny.send(tiny.message(MsgType.UPDATE, table=0, clk=0, arrays=[
+        np.ones((rows, width), np.float32)]))  # which this clock takes
+    reply = tiny.ask(MsgType.CHECKPOINT)
+    assert reply.type == MsgType.ERROR
+    assert "no memory to snapshot" in reply.meta["error"]
+
+    writing = threading.Event()
+    real_write = checkpoint.write
+
+    def slow_write(*args):  # a slow disk: the writer waits for the test
+        assert writing.wait(20)
+        return real_write(*args)
+
+    monkeypatch.setattr(shard_module.checkpoint, "write", slow_write)
+    limit = shard_module.MAX_CHECKPOINT_REQUESTS
+    for _ in range(limit):
+        peer.send(peer.message(MsgType.CHECKPOINT))
+    refused = peer.ask(MsgType.CHECKPOINT)
+    assert refused.type == MsgType.ERROR
+    assert "already wait" in refused.meta["error"]
+    snapshot = server._tables[0].snapshot[1]
+    writing.set()
+    replies = [peer.recv() for _ in range(limit)]
+    assert [r.type for r in replies] == [MsgType.ACK] * limit
+    assert server._tables[0].snapshot[1] is snapshot  # copied once
+    assert checkpoint.load(tmp_path, 0, 1, 1)[0][1] == 0
