@@ -57,14 +57,16 @@ def test_sealed_workers_sum_exactly_through_reused_buffers(keys):
 
 
 def test_rows_waiting_to_be_sealed_are_not_overwritten(keys):
-    """Three keyed SSP workers push 8 MiB tables (four 2 MiB chunks per
-    push and session): a shard's senders hold chunks back until ZeroMQ has
-    sent earlier ones, while the workers run ahead and the clocks advance.
+    """Three keyed SSP workers push 16 MiB tables (eight 2 MiB chunks per
+    push and session: more than the three a sender lets ZeroMQ hold, even
+    on a fast machine): a shard's senders hold chunks back until ZeroMQ
+    has sent earlier ones, while the workers run ahead and the clocks
+    advance.
     The rows buffer a waiting chunk reads must not be handed out for a
     later clock's sums before it is sealed: every read must be whole (one
     value, a multiple of the per-clock sum 6) and the last one exact."""
     curve = worker_keys(keys)
-    clocks, rows, width = 16, 2048, 1024
+    clocks, rows, width = 16, 4096, 1024
     errors, seen, stats = [], [], []
 
     def work(w, cluster):
