@@ -188,6 +188,15 @@ class PeerBuffers:
         self._cache = OrderedDict()  # (buffer id, writable) -> (fd, array)
         self._cache_size = cache
         self._lock = threading.Lock()
+        self.probe_fd = None  # the descriptor `connect` verified
+
+    def alive(self):
+        """Whether the peer still holds the memory `connect` verified: False
+        once its process is gone (its buffers can no longer be mapped)."""
+        where = f"/proc/{self.pid}/fd"
+        if self.probe_fd is not None:
+            where += f"/{self.probe_fd}"
+        return os.path.exists(where)
 
     @classmethod
     def connect(cls, description):
@@ -204,6 +213,7 @@ class PeerBuffers:
             probe = peer._map(int(probe_fd), TOKEN_BYTES)
             if probe[:TOKEN_BYTES].tobytes() != token:
                 return None
+            peer.probe_fd = int(probe_fd)
             return peer
         except (OSError, ValueError, TypeError) as exc:
             log.debug("no shared memory with pid %s: %s", pid, exc)

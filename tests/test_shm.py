@@ -34,6 +34,39 @@ def test_peer_reads_what_the_owner_wrote_and_release_waits_for_views():
     arena.close()
 
 
+def test_a_peer_whose_process_died_is_not_alive():
+    """A push can arrive after its shard's process died: its buffer can no
+    longer be mapped, and `alive()` tells that from a bad reference (the
+    worker then drops the push; the restarted shard sends it again)."""
+    import json  # noqa: PLC0415
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import json, sys\n"
+        "from keras_geeps import shm\n"
+        "arena = shm.Arena()\n"
+        "buffer = arena.allocate(4096)\n"
+        "buffer.array[:] = 7\n"
+        "print(json.dumps([arena.describe(), buffer.ref(0, 4096)]),"
+        " flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+    try:
+        description, ref = json.loads(owner.stdout.readline())
+        peer = shm.PeerBuffers.connect(description)
+        assert peer is not None and peer.alive()
+        assert (peer.view(ref) == 7).all()
+        with pytest.raises(ValueError, match="cannot map"):
+            peer.view([ref[0], 999, 0, 16])  # alive: a bad reference
+    finally:
+        owner.kill()
+        owner.wait()
+    assert not peer.alive()
+    with pytest.raises(ValueError, match="cannot map"):
+        peer.view([ref[0] + 1, ref[1], 0, 16])
+
+
 def test_connect_refuses_what_it_cannot_verify():
     arena = shm.Arena()
     pid, boot, fd, token = arena.describe()

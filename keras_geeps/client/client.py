@@ -758,6 +758,14 @@ class GeePSClient:
             try:
                 rows = self._shared_rows(shard, message, table)
             except ValueError as exc:
+                peer = self._shm_peers.get(shard, (None, None))[0]
+                if peer is not None and not peer.alive():
+                    # Pushed just before its process died: the restarted
+                    # shard pushes the rows again when this worker recovers.
+                    log.warning("worker %d: dropped a push of table %r from "
+                                "shard %d, whose process is gone (%s)",
+                                self.worker_id, table.name, shard, exc)
+                    return
                 self._io.errors.append(GeePSError(
                     f"shard {shard} pushed shared rows of table "
                     f"{table.name!r} this worker cannot read: {exc}"))
