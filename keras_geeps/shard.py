@@ -62,7 +62,9 @@ class ShardSettings:
         checkpoint_dir: where checkpoints are written. Defaults to None
             (no checkpoints).
         checkpoint_every: snapshot a table whenever its global clock
-            reaches a multiple of this (0: only on request). Defaults to 0.
+            reaches a multiple of this (0: only on request); at most
+            `max_pending_clocks` + 1, so that a restart's replay is taken.
+            Defaults to 0.
         worker_timeout: seconds without any message (workers send
             heartbeats) after which a worker is dead; 0 disables the check.
             Defaults to 0.
@@ -98,6 +100,14 @@ class ShardSettings:
                              f"{checkpoint_every}")
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
+        if checkpoint_every > max_pending_clocks + 1:
+            raise ValueError(
+                f"checkpoint_every={checkpoint_every} needs "
+                f"max_pending_clocks >= {checkpoint_every - 1} (it is "
+                f"{max_pending_clocks}): after a restart each worker "
+                f"replays up to checkpoint_every - 1 + its slack clocks "
+                f"past the restored one, and the shard refuses a clock "
+                f"more than max_pending_clocks ahead")
         self.checkpoint_dir = checkpoint_dir
         self.checkpoint_every = checkpoint_every
         self.worker_timeout = worker_timeout

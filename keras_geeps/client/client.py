@@ -359,6 +359,13 @@ class GeePSClient:
             log.warning("slack %d capped to %d by the shards' "
                         "max_pending_clocks", self.slack, bound)
             self.slack = bound
+        every = max(w.meta.get("checkpoint_every", 0) for w in welcomes)
+        if every and every - 1 + self.slack > bound:
+            log.warning("slack %d with checkpoints every %d clocks: a "
+                        "restarted shard may refuse this worker's replay, "
+                        "which can run %d clocks ahead of the restored clock "
+                        "(max_pending_clocks=%d)", self.slack, every,
+                        every - 1 + self.slack, bound)
         # A shard drops the connection of a peer whose frame exceeds its
         # max_message_bytes: row chunks stay within the smallest limit.
         self.max_frame_bytes = min(

@@ -10,6 +10,7 @@ import zmq
 from keras_geeps import checkpoint, protocol
 from keras_geeps.errors import GeePSError, GeePSWorkerFailedError
 from keras_geeps.launch import LocalCluster
+from keras_geeps.shard import ShardSettings
 from tests.reliability.restarts import (ask_across_a_restart,
                                         counted_to_a_checkpoint,
                                         wait_for_checkpoint)
@@ -106,6 +107,48 @@ def test_sigkill_shard_restore_and_replay_lose_and_repeat_nothing(tmp_path):
         # restored from a checkpoint before the kill, then replayed
         assert 5 <= stats[1]["restored_clock"] <= 17
         assert stats[1]["restored_clock"] % 5 == 0
+    finally:
+        cluster.stop()
+
+
+def test_a_replay_up_to_max_pending_clocks_ahead_is_taken(tmp_path):
+    """With checkpoints every K = 3 clocks and max_pending_clocks = 2 (the
+    least K allows), the shard is killed after worker 0's clock 17 and
+    restored at 15: each worker's replay of clocks 15-17 runs 2 clocks ahead of the
+    restored clock, which the shard takes, and nothing is lost or
+    applied twice. (K = 4 is refused at start, as is any K past
+    max_pending_clocks + 1.)"""
+    clocks = 24
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "3",
+            "--max-pending-clocks", "2"]
+    with pytest.raises(ValueError, match="max_pending_clocks >= 3"):
+        ShardSettings(checkpoint_dir=str(tmp_path), checkpoint_every=4,
+                      max_pending_clocks=2)
+    cluster = LocalCluster(1, 2, processes=True, shard_args=args,
+                           output=None)
+    restarted = []
+
+    def kill_and_restart(clk):
+        if clk == 16:  # (the global clock cannot pass 17 meanwhile)
+            time.sleep(0.5)  # the clock-15 checkpoint is written
+        if clk == 17 and not restarted:
+            victim = cluster.shards[0]
+            victim.kill()
+            restarted.append(clk)
+            cluster.shards[0] = victim.restart(["--restore"])
+
+    try:
+        results, errors = _counter_workers(cluster, clocks, kill_and_restart)
+        assert not errors, errors[0]
+        assert restarted
+        for w in range(2):
+            counter, small = results[w]
+            assert counter.min() == counter.max() == clocks * 2
+            assert small.min() == small.max() == clocks * 3
+        # (18 only if worker 1 finished clock 17 and the shard wrote it
+        # before the kill: then nothing was replayed)
+        assert cluster.client(0).shard_stats()[0]["restored_clock"] in (15,
+                                                                        18)
     finally:
         cluster.stop()
 
