@@ -788,6 +788,9 @@ class ShardServer:
         if kind == MsgType.HELLO:
             self._hello(identity, message)
             return
+        if worker in self._dead:  # it stalled, connected: tell it, always
+            raise RequestError(self._declared_dead(worker),
+                               protocol.ERROR_WORKER_DEAD)
         if kind == MsgType.HEARTBEAT and \
                 self._curve_identities.get(worker) == identity:
             # A sealed session's heartbeats come over CURVE: a restarted
@@ -857,10 +860,7 @@ class ShardServer:
             elif previous is not None:
                 self._restarted(worker)
         elif worker in self._dead:  # its connection came back too late
-            raise RequestError(f"worker {worker} was declared dead while its "
-                               f"connection was broken (silent for more "
-                               f"than worker_timeout); the job went on "
-                               f"without it: restart it to rejoin",
+            raise RequestError(self._declared_dead(worker),
                                protocol.ERROR_WORKER_DEAD)
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
@@ -1546,6 +1546,12 @@ class ShardServer:
                     self.shard_id, len(tables), self.settings.checkpoint_dir,
                     sorted({t.global_clock for t in self._tables.values()}))
 
+    @staticmethod
+    def _declared_dead(worker):
+        return (f"worker {worker} was declared dead (silent for more than "
+                f"worker_timeout); the job went on without it: restart it "
+                f"to rejoin")
+
     def _worker_died(self, worker, error):
         """Stops the job, or goes on without `worker` (on_worker_failure)."""
         if self.settings.on_worker_failure == "stop":
@@ -1559,6 +1565,14 @@ class ShardServer:
             return
         log.warning("shard %d: %s; continuing without it", self.shard_id,
                     error)
+        # Told, where it still listens (a stalled process, not a dead one):
+        # over CURVE when it has a sealed session, whose sender closes now.
+        told = self._curve_identities.get(worker) or \
+            self._identities.get(worker)
+        if told is not None and not isinstance(told, tuple):
+            self._send(told, Message(MsgType.ERROR, meta={
+                "error": self._declared_dead(worker),
+                "code": protocol.ERROR_WORKER_DEAD}))
         self._forget_shm(worker)
         for session in self._sessions.values():
             if session.worker == worker:  # nothing more goes to it

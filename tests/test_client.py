@@ -416,3 +416,29 @@ def test_row_chunks_fit_the_shards_message_limit(thread_cluster):
         np.testing.assert_array_equal(client.read(table), init + 1)
         with pytest.raises(ValueError, match="one row of 1048576 bytes"):
             client.create_table("wide", 2, 1 << 18)
+
+
+def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
+        thread_cluster):
+    """Worker 1 dies (stop mode): worker 0's read fails naming it, and so
+    does every later call; the shard refuses each of worker 0's heartbeats
+    meanwhile, and the client keeps one error, not one per heartbeat."""
+    from keras_geeps.errors import GeePSWorkerFailedError  # noqa: PLC0415
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=0.3, shared_memory=False))
+    survivor = cluster.client(0, timeout=20, heartbeat_interval=0.05)
+    doomed = cluster.client(1, timeout=20, heartbeat_interval=0.05)
+    table = survivor.create_table("t", 4, 4)
+    doomed.create_table("t", 4, 4)
+    doomed.close()  # its heartbeats stop
+    survivor.clock()
+    with pytest.raises(GeePSWorkerFailedError, match="worker 1"):
+        survivor.read(table, clock=1)
+    time.sleep(1.0)  # ~20 heartbeats, each refused
+    assert not survivor._io.errors
+    for _ in range(2):
+        with pytest.raises(GeePSWorkerFailedError, match="worker 1"):
+            survivor.update(table, np.ones((4, 4), np.float32))
+    survivor.close()

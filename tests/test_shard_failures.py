@@ -197,6 +197,34 @@ def test_tables_created_after_a_death_do_not_wait_for_the_dead(servers):
     np.testing.assert_array_equal(reply.arrays[0], np.ones((4, 3)))
 
 
+def test_a_stalled_worker_declared_dead_is_told_so(servers):
+    """A worker that stalls past worker_timeout with its connection up (a
+    paused process) is declared dead (continue mode): it is told at once,
+    and each request it sends later, heartbeats included, is refused with
+    worker_dead (it waits on nothing: no push would ever come)."""
+    server = servers(num_workers=2, worker_timeout=0.5,
+                     on_worker_failure="continue")
+    live, stalled = _two_workers_one_table(servers, server)
+    deadline = time.monotonic() + 10
+    while not server.snapshot_stats()["dead_workers"]:
+        live.send(live.message(MsgType.HEARTBEAT))
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    told = [m for m in stalled.drain() if m.type == MsgType.ERROR]
+    assert len(told) == 1
+    assert told[0].meta["code"] == protocol.ERROR_WORKER_DEAD
+    assert "worker 1 was declared dead" in told[0].meta["error"]
+    for kind, meta in ((MsgType.HEARTBEAT, {}), (MsgType.CLOCK, {}),
+                       (MsgType.DECLARE, spec(4, 2))):
+        reply = stalled.ask_past_pushes(kind, table=0, clk=0, meta=meta)
+        assert reply.type == MsgType.ERROR, kind
+        assert reply.meta["code"] == protocol.ERROR_WORKER_DEAD
+    assert live.ask_past_pushes(MsgType.CLOCK, table=0,
+                                clk=0).type == MsgType.ACK
+    reply = live.ask_past_pushes(MsgType.READ, table=0, clk=1)
+    assert reply.type == MsgType.ROWS and reply.clk == 1
+
+
 def test_a_worker_that_never_connects_is_declared_dead(servers,
                                                        monkeypatch):
     monkeypatch.setattr(shard_module, "STARTUP_GRACE_S", 0.5)

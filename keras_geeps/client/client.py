@@ -313,7 +313,11 @@ class GeePSClient:
         # shard -> {(table id, part)} whose replay its restart recovery has
         # still to send (while that recovery is under way)
         self._restoring = {}
-        self._declared_again = {}  # shard -> a reconnect's DECLARE futures
+        # shard -> futures of a finished recovery's (or reconnect's)
+        # requests, forgotten at the next: a shard that restarts again never
+        # answers them
+        self._finished_futures = {}
+        self._job_failed = None  # the first unasked worker_dead error
         self._shm_peers = {}   # shard -> (shm.PeerBuffers, its arena token)
         self._shm_upload = set()  # shards that map our update buffers
         self._releases = collections.deque()  # (shard, token, buffer id)
@@ -574,12 +578,7 @@ class GeePSClient:
     def _await_reply(self, future, deadline, what):
         while not future.event.wait(
                 min(0.1, max(0.0, deadline - time.monotonic()))):
-            if self._closed:
-                raise self._closed_error()
-            if self._io.errors:
-                raise self._io.errors.popleft()
-            if future.shard in self._lost:  # (its error went to another)
-                raise GeePSError(self._lost[future.shard])
+            self._raise_async_errors()  # (a lost shard's went to another)
             if time.monotonic() >= deadline:
                 shard = future.shard
                 hint = (" (if it requires CURVE keys: are this worker's keys"
@@ -596,11 +595,16 @@ class GeePSClient:
 
     def _raise_async_errors(self):
         """Raises what went wrong since: the client was closed, an error
-        the I/O thread queued, or a shard whose tables are lost."""
+        the I/O thread queued, and for good: the job stopped (or this
+        worker was declared dead), the I/O thread failed, or a shard's
+        tables are lost."""
         if self._closed:
             raise self._closed_error()
         if self._io.errors:
             raise self._io.errors.popleft()
+        for failed in (self._job_failed, self._io.failed):
+            if failed is not None:
+                raise failed
         lost = list(self._lost.values())  # the I/O thread adds to it
         if lost:
             raise GeePSError(lost[0])
@@ -908,6 +912,11 @@ class GeePSClient:
                  else GeePSError(f"shard {shard}: {text}"))
         if future is not None:
             future.set(error=error)
+        elif code == protocol.ERROR_WORKER_DEAD:
+            # For good: every later call raises it. (A stopped job's shards
+            # refuse each heartbeat too: the first is kept, not each.)
+            if self._job_failed is None:
+                self._job_failed = error
         else:
             self._io.errors.append(error)
         with self._cond:
@@ -984,8 +993,8 @@ class GeePSClient:
         given_up = self._attempts.get(shard)
         if given_up is not None:  # its requests will never be answered
             self._io.forget(given_up.futures)
-        # (nor will a finished reconnect's DECLAREs still unanswered)
-        self._io.forget(self._declared_again.pop(shard, []))
+        # (nor will a finished recovery's requests still unanswered)
+        self._io.forget(self._finished_futures.pop(shard, []))
         attempt = self._attempts[shard] = _RecoveryAttempt()
 
         def welcomed(message, error):
@@ -1044,7 +1053,7 @@ class GeePSClient:
             return
         self._on_welcome(shard, welcome)
         resent = self._io.resend_unacknowledged(shard)
-        declared = self._declared_again[shard] = []
+        declared = self._finished_futures.setdefault(shard, [])
         for table, part in parts:
             declared.append(Future(self._fail_on_error))
             self._io.send_now(shard, self._declare_message(shard, table, part),
@@ -1194,7 +1203,9 @@ class GeePSClient:
         self._io.release(shard, lambda: self._next_seq(shard),
                          replayed_already)
         del self._recovering[shard]
-        del self._attempts[shard]
+        attempt = self._attempts.pop(shard)
+        self._finished_futures.setdefault(shard, []).extend(
+            f for f in attempt.futures if not f.event.is_set())
         self._restoring.pop(shard, None)
         log.warning("worker %d: shard %d recovered", self.worker_id, shard)
 
@@ -1569,13 +1580,16 @@ class GeePSClient:
                 "clock": max((t.clock for t in tables), default=0)}
 
     def _timeout_error(self, table, parts, required):
-        lines = []
+        lines, asked = [], {}
         for shard in sorted({table.parts[p][0] for p in parts
                              if table.ages[p] < required}):
+            asked[shard] = Future()
+            self._send(shard, Message(MsgType.STATS), asked[shard])
+        deadline = time.monotonic() + min(5.0, self.timeout)  # all at once
+        for shard, future in asked.items():
             address = self.cluster.shards[shard]
-            future = Future()
-            self._send(shard, Message(MsgType.STATS), future)
-            answered = future.event.wait(min(5.0, self.timeout))
+            answered = future.event.wait(max(0.0,
+                                             deadline - time.monotonic()))
             self._io.forget([future])
             if not answered or future.error:
                 lines.append(f"shard {shard} ({address}) does not answer: it "

@@ -157,6 +157,7 @@ class IOThread:
         self.held = set()   # shards whose queued traffic waits (recovery)
         self._backlog = collections.defaultdict(list)
         self.errors = collections.deque()  # async errors for the caller
+        self.failed = None  # why this thread stopped serving, if it did
         self.bytes_out = 0
         self.bytes_in = 0
         self._stop = False
@@ -347,10 +348,10 @@ class IOThread:
                         self._heartbeat(shard)
                     self._watch_links()
                 self._tell_broken()
-        except Exception:  # keep the reason; the caller times out on it
+        except Exception:  # kept: every later call raises it
             log.exception("keras_geeps I/O thread failed")
-            self.errors.append(GeePSServerError("the I/O thread failed; see "
-                                                "the log"))
+            self.failed = GeePSServerError("the I/O thread failed; see the "
+                                           "log")
         finally:
             for sock in self._sockets:
                 sock.close(linger=0)

@@ -114,8 +114,8 @@ def test_sigkill_shard_restore_and_replay_lose_and_repeat_nothing(tmp_path):
 def test_a_replay_up_to_max_pending_clocks_ahead_is_taken(tmp_path):
     """With checkpoints every K = 3 clocks and max_pending_clocks = 2 (the
     least K allows), the shard is killed after worker 0's clock 17 and
-    restored at 15: each worker's replay of clocks 15-17 runs 2 clocks ahead of the
-    restored clock, which the shard takes, and nothing is lost or
+    restored at 15: worker 0's replay of clocks 15-17 runs 2 clocks ahead
+    of the restored clock, which the shard takes, and nothing is lost or
     applied twice. (K = 4 is refused at start, as is any K past
     max_pending_clocks + 1.)"""
     clocks = 24
