@@ -442,3 +442,20 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
         with pytest.raises(GeePSWorkerFailedError, match="worker 1"):
             survivor.update(table, np.ones((4, 4), np.float32))
     survivor.close()
+
+
+def test_shards_checkpointing_at_different_intervals_are_refused(tmp_path):
+    """Shards that checkpoint at different intervals (or only some) would
+    hold no consistent checkpoint of the job: connecting says so."""
+    from keras_geeps.shard import ShardServer, ShardSettings  # noqa: PLC0415
+
+    servers = [ShardServer("tcp://127.0.0.1:0", i, 2, 1, ShardSettings(
+        shared_memory=False, checkpoint_dir=str(tmp_path / str(i)),
+        checkpoint_every=every)).start() for i, every in enumerate((5, 0))]
+    try:
+        with pytest.raises(GeePSError, match=r"checkpoint-every \[5, 0\]"):
+            GeePSClient(ClusterSpec([s.address for s in servers]),
+                        timeout=10)
+    finally:
+        for server in servers:
+            server.stop()

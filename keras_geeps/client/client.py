@@ -350,9 +350,16 @@ class GeePSClient:
             for shard in range(self.cluster.num_shards)], "HELLO")
         for shard, welcome in enumerate(welcomes):
             self._on_welcome(shard, welcome)
-        # Keep sent updates for replay only when shards write checkpoints.
-        self._keep_log = any(w.meta.get("checkpoint_every", 0) > 0
-                             for w in welcomes)
+        # Keep sent updates for replay only when shards write checkpoints,
+        # all at the same clocks: a job's checkpoint is consistent only so,
+        # and a shard without them would keep the log from being trimmed.
+        every = [w.meta.get("checkpoint_every", 0) for w in welcomes]
+        if len(set(every)) > 1:
+            raise GeePSError(
+                f"the shards checkpoint at different intervals "
+                f"(--checkpoint-every {every}, shard by shard): start them "
+                f"all with the same one")
+        self._keep_log = every[0] > 0
         self._io.heartbeat_interval = heartbeat_interval
         # A worker may run at most max_pending_clocks ahead of the global
         # clock (the shards bound their per-clock buffers): a larger slack
@@ -363,13 +370,12 @@ class GeePSClient:
             log.warning("slack %d capped to %d by the shards' "
                         "max_pending_clocks", self.slack, bound)
             self.slack = bound
-        every = max(w.meta.get("checkpoint_every", 0) for w in welcomes)
-        if every and every - 1 + self.slack > bound:
+        if every[0] and every[0] - 1 + self.slack > bound:
             log.warning("slack %d with checkpoints every %d clocks: a "
                         "restarted shard may refuse this worker's replay, "
                         "which can run %d clocks ahead of the restored clock "
-                        "(max_pending_clocks=%d)", self.slack, every,
-                        every - 1 + self.slack, bound)
+                        "(max_pending_clocks=%d)", self.slack, every[0],
+                        every[0] - 1 + self.slack, bound)
         # A shard drops the connection of a peer whose frame exceeds its
         # max_message_bytes: row chunks stay within the smallest limit.
         self.max_frame_bytes = min(
