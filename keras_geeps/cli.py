@@ -33,6 +33,17 @@ def _cmd_launch(args):
         print("keras-geeps launch: --checkpoint-every needs --checkpoint-dir",
               file=sys.stderr)
         return 2
+    if args.max_pending_clocks is not None:
+        shard_args += ["--max-pending-clocks", str(args.max_pending_clocks)]
+    try:  # what every shard would refuse at start, said once here
+        from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+        ShardSettings(checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every,
+                      **({} if args.max_pending_clocks is None else
+                         {"max_pending_clocks": args.max_pending_clocks}))
+    except ValueError as exc:
+        print(f"keras-geeps launch: {exc}", file=sys.stderr)
+        return 2
     restarts = args.shard_restarts if args.checkpoint_every > 0 else 0
     return launch(command, num_workers=args.workers, num_shards=args.shards,
                   shard_args=shard_args, shard_restarts=restarts)
@@ -134,6 +145,9 @@ def build_parser():
                         help="shards snapshot each table every K clocks; "
                              "with K > 0, a shard that dies is started "
                              "again from its checkpoint")
+    launch.add_argument("--max-pending-clocks", type=int, default=None,
+                        help="the shards' --max-pending-clocks (64 if not "
+                             "given; at least K - 1)")
     launch.add_argument("--shard-restarts", type=int, default=3,
                         help="how many times in all dead shards are "
                              "started again (with --checkpoint-every > 0)")

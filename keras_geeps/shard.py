@@ -180,6 +180,8 @@ class _Table:
         self.snapshot = None      # (clock, rows) taken for the next write
         self.lent = None          # (clock, worker, rows, SharedBuffer)
         self.ckpt_clock = -1      # clock of the durable (written) snapshot
+        self.restored = None      # rows loaded from a checkpoint (never
+        # pooled: a snapshot, and a running writer, may still read them)
 
     @property
     def nbytes(self):
@@ -464,6 +466,7 @@ class ShardServer:
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0,
                       "sealed_held_back": 0}
         self._sessions = {}       # session id -> _Session (sealed data)
+        self._buried = {}         # worker -> incarnations declared dead
         self._seal_buffers = None  # seal.Buffers of every session
         self._curve_identities = {}  # worker -> its CURVE route (sealed)
         self._session_tokens = {}  # session hex -> token hex (data ZAP)
@@ -847,6 +850,9 @@ class ShardServer:
                                f"(its allowed key file is worker{owner}.key)"
                                f"; it cannot say HELLO as worker {worker}")
         incarnation = meta.get("incarnation", 0)
+        if incarnation in self._buried.get(worker, ()):
+            raise RequestError(self._declared_dead(worker),
+                               protocol.ERROR_WORKER_DEAD)
         previous = self._incarnations.get(worker)
         if previous != incarnation:
             # A new worker process (or this shard is new): its requests are
@@ -1322,9 +1328,11 @@ class ShardServer:
 
     def _retire(self, table, data):
         """Returns replaced rows to the pool, reusable once their sends end.
-        Rows the next checkpoint is still to hold (restored ones are their
-        own snapshot) are not: a later clock would be written into them."""
-        if table.snapshot is not None and table.snapshot[1] is data:
+        Restored rows are not: they are the table's snapshot too, which a
+        writer may still be saving when a later clock would be written into
+        them (every other snapshot is a copy)."""
+        if data is table.restored:
+            table.restored = None
             self._trackers.pop(id(data), None)
             return
         table.pool.put(data, self._trackers.pop(id(data), []))
@@ -1538,6 +1546,7 @@ class ShardServer:
             table.vclock[:] = clock
             table.ckpt_clock = clock
             table.snapshot = (clock, rows)
+            table.restored = rows
             self._tables[table_id] = table
         self._started = time.monotonic()
         self.stats["restored_clock"] = min(
@@ -1565,8 +1574,12 @@ class ShardServer:
             return
         log.warning("shard %d: %s; continuing without it", self.shard_id,
                     error)
-        # Told, where it still listens (a stalled process, not a dead one):
-        # over CURVE when it has a sealed session, whose sender closes now.
+        # That process never takes the worker's place again (a replacement
+        # may have), and is told so where it still listens (stalled, not
+        # dead): over CURVE when it has a sealed session, whose sender
+        # closes now.
+        self._buried.setdefault(worker, set()).add(
+            self._incarnations.get(worker))
         told = self._curve_identities.get(worker) or \
             self._identities.get(worker)
         if told is not None and not isinstance(told, tuple):

@@ -117,6 +117,14 @@ def test_launch_starts_a_killed_shard_again_and_loses_nothing(tmp_path):
             in result.stdout
     result = _cli("launch", "--checkpoint-every", "-1", "--", "true")
     assert result.returncode == 2 and "must be >= 0" in result.stderr
+    ckpt = ["--checkpoint-dir", str(tmp_path / "k"), "--checkpoint-every",
+            "70"]
+    result = _cli("launch", *ckpt, "--", "true")
+    assert result.returncode == 2
+    assert "needs max_pending_clocks >= 69" in result.stderr
+    result = _cli("launch", *ckpt, "--max-pending-clocks", "69", "--",
+                  "true")
+    assert result.returncode == 0, result.stderr
 
 
 def test_launch_without_checkpoints_stops_when_a_shard_dies(tmp_path):

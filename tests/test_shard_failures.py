@@ -223,6 +223,14 @@ def test_a_stalled_worker_declared_dead_is_told_so(servers):
                                 clk=0).type == MsgType.ACK
     reply = live.ask_past_pushes(MsgType.READ, table=0, clk=1)
     assert reply.type == MsgType.ROWS and reply.clk == 1
+    # A replacement rejoins; the stalled process cannot take its place.
+    replacement = servers.peer(server, 1, incarnation=2)
+    reply = stalled.ask_past_pushes(MsgType.HELLO, meta={"incarnation": 1})
+    assert reply.type == MsgType.ERROR
+    assert reply.meta["code"] == protocol.ERROR_WORKER_DEAD
+    assert replacement.ask_past_pushes(MsgType.DECLARE, table=0,
+                                       meta=spec(4, 2)).type == MsgType.ACK
+    assert server.snapshot_stats()["dead_workers"] == []
 
 
 def test_a_worker_that_never_connects_is_declared_dead(servers,

@@ -584,7 +584,14 @@ class GeePSClient:
     def _await_reply(self, future, deadline, what):
         while not future.event.wait(
                 min(0.1, max(0.0, deadline - time.monotonic()))):
-            self._raise_async_errors()  # (a lost shard's went to another)
+            if self._closed:
+                raise self._closed_error()
+            if self._io.errors:
+                raise self._io.errors.popleft()
+            if self._io.failed is not None:  # no reply can come any more
+                raise self._io.failed.with_traceback(None)
+            if future.shard in self._lost:  # (its error went to another)
+                raise GeePSError(self._lost[future.shard])
             if time.monotonic() >= deadline:
                 shard = future.shard
                 hint = (" (if it requires CURVE keys: are this worker's keys"
@@ -609,8 +616,8 @@ class GeePSClient:
         if self._io.errors:
             raise self._io.errors.popleft()
         for failed in (self._job_failed, self._io.failed):
-            if failed is not None:
-                raise failed
+            if failed is not None:  # (each raise starts a new traceback)
+                raise failed.with_traceback(None)
         lost = list(self._lost.values())  # the I/O thread adds to it
         if lost:
             raise GeePSError(lost[0])
@@ -902,6 +909,13 @@ class GeePSClient:
         """Runs in the I/O thread for an ERROR that carries a code."""
         code = message.meta.get("code")
         text = message.meta.get("error", "")
+        if self._job_failed is not None and \
+                code == protocol.ERROR_HELLO_REQUIRED:
+            # Declared dead (or the job stopped): this process must not
+            # take its worker's place again, as a replacement may have.
+            if future is not None:
+                future.set(error=self._job_failed)
+            return
         if code == protocol.ERROR_HELLO_REQUIRED:
             # Stale requests after a restart land here. Once the shard has
             # welcomed this recovery's HELLO, it knows this worker: a refusal
@@ -923,6 +937,7 @@ class GeePSClient:
             # refuse each heartbeat too: the first is kept, not each.)
             if self._job_failed is None:
                 self._job_failed = error
+                self._io.heartbeat_interval = 0  # nothing to keep alive
         else:
             self._io.errors.append(error)
         with self._cond:
