@@ -859,15 +859,13 @@ class ShardServer:
             # numbered from its HELLO on.
             self._seqs[worker] = _SeqTracker(message.seq)
             self._answers.pop(worker, None)
-            self._incarnations[worker] = incarnation
             self._forget_shm(worker)
             if worker in self._dead:
                 self._rejoin(worker)
             elif previous is not None:
                 self._restarted(worker)
-        elif worker in self._dead:  # its connection came back too late
-            raise RequestError(self._declared_dead(worker),
-                               protocol.ERROR_WORKER_DEAD)
+            # (after: a death `_restarted` declares buries the old process)
+            self._incarnations[worker] = incarnation
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
         if self._started is None:

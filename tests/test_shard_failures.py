@@ -173,6 +173,10 @@ def test_continue_mode_restart_mid_clock_rejoins(servers):
         while server.snapshot_stats()["tables"]["0"]["global_clock"] != 1:
             assert time.monotonic() < deadline, "clock 0 never completed"
             time.sleep(0.01)
+        # Only the old process counts as dead: the new one's connection
+        # can break and come back (the same incarnation says HELLO again).
+        assert again.ask_past_pushes(MsgType.HELLO, meta={
+            "incarnation": 2}).type == MsgType.WELCOME
     finally:
         again.close()
 
