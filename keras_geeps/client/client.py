@@ -827,8 +827,7 @@ class GeePSClient:
             log.error("dropped a sealed chunk of table %r from shard %d: %s",
                       table.name, shard, exc)
             # Its counter was taken: the link lost it as a break would.
-            self._io.break_link(shard)
-            self._on_link_broken(shard, str(exc))
+            self._io.break_link(shard, f"lost a chunk ({exc})")
             return
         ckpt = message.meta.get("ckpt", -1)
         if ckpt > table.part_ckpt[part]:

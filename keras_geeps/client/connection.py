@@ -108,10 +108,12 @@ class IOThread:
         on_error: called as on_error(shard, message, future) in this thread
             for an ERROR that carries a `code` (shard restarted, worker
             dead); `future` is the refused request's, or None.
-        on_broken: called as on_broken(shard, reason) in this thread when a
-            sealed link turns out to have lost messages (`seal.SealGap`):
-            its connection broke and came back. Later messages on it are
-            dropped until a new WELCOME replaces it.
+        on_broken: called as on_broken(shard, reason) in this thread, at
+            the end of the loop's turn, when a sealed link was ended
+            (`break_link`): it lost messages (`seal.SealGap`, or a chunk
+            that did not open), went silent, or the shard's data socket
+            refused it. Later messages on it are dropped until a new
+            WELCOME replaces it.
         worker_id: this worker's id (heartbeats carry it).
         heartbeat_interval: seconds between heartbeats; 0 sends none
             (set `heartbeat_interval` later to start them, e.g. once the
@@ -271,12 +273,18 @@ class IOThread:
             self._write(shard, protocol.encode(message), message, future)
         return len(unacked)
 
-    def break_link(self, shard):
-        """Opens nothing more from `shard`'s sealed link (it lost a
-        message) until a WELCOME replaces it (I/O thread only)."""
+    def break_link(self, shard, reason):
+        """Ends `shard`'s sealed link: nothing more from it is opened, and
+        `on_broken(shard, reason)` runs at the end of the loop's turn (not
+        inside the read or write that found it, which may be a recovery's
+        own), so the worker says HELLO again (I/O thread only)."""
         link = self._links.get(shard)
-        if link is not None:
-            link.broken = True
+        if link is None or link.broken:
+            return
+        link.broken = True
+        log.warning("worker %d: shard %d's sealed link %s: saying HELLO "
+                    "again", self._worker_id, shard, reason)
+        self._broken[shard] = reason
 
     def forget_unacknowledged(self, shard):
         """Drops what `resend_unacknowledged` would send: `shard` restarted,
@@ -449,15 +457,8 @@ class IOThread:
         """`shard`'s data socket takes nothing (its ZAP refused the
         session: the shard restarted): the link is broken, and the worker
         says HELLO again (I/O thread)."""
-        if link.broken or self._links.get(shard) is not link:
-            return
-        link.broken = True
-        log.warning("worker %d: shard %d's data socket refuses this "
-                    "worker's session: saying HELLO again", self._worker_id,
-                    shard)
-        # Told on the loop's next turn, not from inside the write that
-        # found it (a recovery's own write: it would start another midway).
-        self._broken[shard] = "the data socket refused the session"
+        if self._links.get(shard) is link:
+            self.break_link(shard, "is refused by the shard's data socket")
 
     def _tell_broken(self):
         """Runs `on_broken` for the links found broken since (I/O thread)."""
@@ -475,12 +476,9 @@ class IOThread:
             if protocol.is_loopback(self._addresses[shard]) and \
                     not protocol.LINK_HEARTBEATS_ON_LOOPBACK:
                 continue
-            if not link.broken and link.heard < quiet:
-                link.broken = True
-                log.warning("worker %d: shard %d's sealed link heard nothing "
-                            "for %g s: saying HELLO again", self._worker_id,
-                            shard, protocol.LINK_TIMEOUT_MS / 1000)
-                self._broken[shard] = "the sealed link went silent"
+            if link.heard < quiet:
+                self.break_link(shard, f"heard nothing for "
+                                       f"{protocol.LINK_TIMEOUT_MS / 1000:g} s")
 
     def _open(self, shard, frames, link):
         """The message in `frames` from `shard`, and its `seal.SealedFrame`s
@@ -510,12 +508,7 @@ class IOThread:
                                                           sealed)]
                 return message, None
             except seal.SealGap as exc:
-                link.broken = True
-                log.warning("worker %d: the sealed link to shard %d lost "
-                            "messages (%s): saying HELLO again",
-                            self._worker_id, shard, exc)
-                if self._on_broken is not None:
-                    self._on_broken(shard, str(exc))
+                self.break_link(shard, f"lost messages ({exc})")
                 return None, None
             except seal.SealError as exc:
                 log.error("dropped a sealed message from shard %d: %s",
