@@ -409,10 +409,15 @@ class IOThread:
                                f"{kind.name}: it refused the connection (does "
                                f"it require CURVE keys, or not allow this "
                                f"worker's?)")
-            if future is not None:
-                future.set(error=error)
-            else:
-                self.errors.append(error)
+            self._report(future, error)
+
+    def _report(self, future, error):
+        """Fails the request `future` waits on, or, with none, queues
+        `error` for the caller (`errors`)."""
+        if future is not None:
+            future.set(error=error)
+        else:
+            self.errors.append(error)
 
     def _pump_links(self):
         """Seals what the links' senders hold back once ZeroMQ has sent
@@ -563,9 +568,6 @@ class IOThread:
             error = GeePSServerError(
                 f"shard {shard} ({self._addresses[shard]}) refused request "
                 f"{message.seq}: {message.meta.get('error')}")
-            if future is not None:
-                future.set(error=error)
-            else:
-                self.errors.append(error)
+            self._report(future, error)
         elif future is not None:
             future.set(message)
