@@ -486,7 +486,7 @@ class ShardServer:
                     data_bind or self.address.rsplit(":", 1)[0] + ":0")
             # Shared memory with co-located workers (keras_geeps.shm).
             if self.settings.shared_memory:
-                self._arena = shm.Arena()
+                self._arena = shm.Arena(role="shard")
             if restore:
                 self._restore()
             elif self.settings.checkpoint_dir:
@@ -884,7 +884,12 @@ class ShardServer:
             welcome["sealed"] = self._new_session(worker)
             self._curve_identities[worker] = identity
         if self._arena is not None and "shm" in meta:
-            peer = shm.PeerBuffers.connect(meta["shm"])
+            # A worker's upload buffer holds a whole table, whose part here
+            # is at most half of max_table_bytes (rows + a clock's sums);
+            # a shard maps at most 5 per table at once: room for 8.
+            peer = shm.PeerBuffers.connect(
+                meta["shm"], role="worker", max_mapped_bytes=8 * (
+                    self.num_shards * self.settings.max_table_bytes))
             if peer is not None:  # co-located: it can map ours too
                 self._shm_writers[worker] = peer
                 welcome.update(shm=self._arena.describe(), shm_ok=True)

@@ -15,9 +15,19 @@ proves it before any buffer is used: the owner shares a probe buffer
 holding a random token and the peer reads it back. Peers that fail it (other
 hosts, other containers) simply keep using TCP frames.
 
+Every memory file an arena makes is named after its role ("worker" or
+"shard"), its random token and the buffer's number, and a peer maps only
+files of exactly that name: a peer that names some other process's memory
+file, whose contents it happens to know (zeros, or rows it wrote itself),
+as its probe or its buffer cannot make us read that process's memory. A
+shard's token is told to every worker it welcomes, so the role matters too:
+a shard maps only worker buffers, never another shard's.
+
 Every buffer is sealed against shrinking (`F_SEAL_SHRINK`) before a peer
-sees it, and a reader refuses unsealed ones: a peer cannot truncate memory
-we have mapped and so crash us with SIGBUS.
+sees it, and a reader refuses unsealed ones (the seal is checked before the
+size), huge-page files, and files larger than it was told to map: a peer
+cannot truncate memory we have mapped and so crash us with SIGBUS, nor use
+up our address space.
 
 Set `KERAS_GEEPS_SHM=0` to turn shared memory off everywhere.
 
@@ -48,6 +58,8 @@ log = logging.getLogger("keras_geeps.shm")
 
 TOKEN_BYTES = 16
 ENV_SWITCH = "KERAS_GEEPS_SHM"
+ROLES = ("worker", "shard")
+PROBE_ID = 0  # the probe's buffer number
 
 
 def enabled_by_env():
@@ -61,6 +73,18 @@ def _boot_id():
             return f.read().strip()
     except OSError:
         return ""
+
+
+def _check_role(role):
+    if role not in ROLES:
+        raise ValueError(f"an arena's role is one of {ROLES}, not {role!r}")
+    return role
+
+
+def buffer_name(role, token, buffer_id):
+    """The memory file name of buffer `buffer_id` of an arena (`token`:
+    bytes)."""
+    return f"keras_geeps-{role}-{token.hex()}-{buffer_id}"
 
 
 def supported():
@@ -79,9 +103,9 @@ class SharedBuffer:
 
     __slots__ = ("id", "fd", "array", "_mmap", "__weakref__")
 
-    def __init__(self, buffer_id, nbytes):
+    def __init__(self, buffer_id, nbytes, name=None):
         self.id = buffer_id
-        self.fd = os.memfd_create(f"keras_geeps-{buffer_id}",
+        self.fd = os.memfd_create(name or f"keras_geeps-{buffer_id}",
                                   os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, max(nbytes, 1))
@@ -126,15 +150,24 @@ class Arena:
 
     `allocate` raises OSError when the process runs out of descriptors or
     memory; callers then send that buffer's rows over TCP.
+
+    Args:
+        role: "worker" or "shard": what this process is to its peers (a
+            peer checks it). Defaults to "worker".
     """
 
-    def __init__(self):
+    def __init__(self, role="worker"):
         _raise_fd_limit()
+        self.role = _check_role(role)
         self.token = os.urandom(TOKEN_BYTES)
-        self._ids = itertools.count(1)
-        self._probe = SharedBuffer(0, TOKEN_BYTES)
+        self._ids = itertools.count(PROBE_ID + 1)
+        self._probe = SharedBuffer(PROBE_ID, TOKEN_BYTES, self._name(
+            PROBE_ID))
         self._probe.array[:] = np.frombuffer(self.token, np.uint8)
         self._buffers = weakref.WeakSet()
+
+    def _name(self, buffer_id):
+        return buffer_name(self.role, self.token, buffer_id)
 
     def describe(self):
         """What a peer needs to verify and map our buffers (a flat list)."""
@@ -142,7 +175,8 @@ class Arena:
 
     def allocate(self, nbytes):
         """A new `SharedBuffer` of `nbytes`."""
-        buffer = SharedBuffer(next(self._ids), nbytes)
+        buffer_id = next(self._ids)
+        buffer = SharedBuffer(buffer_id, nbytes, self._name(buffer_id))
         self._buffers.add(buffer)
         return buffer
 
@@ -178,15 +212,24 @@ class PeerBuffers:
     Args:
         pid: the peer's process id.
         token: the peer's probe token (bytes).
+        role: the peer's role ("worker" or "shard"): only memory files its
+            arena named are mapped. Defaults to "worker".
         cache: how many mapped buffers to keep (a shard maps up to 5 upload
             buffers per table and worker). Defaults to 4096.
+        max_mapped_bytes: the most bytes of the peer's files mapped at once:
+            a larger file is refused, and the least recently used mappings
+            are dropped to make room. Defaults to None (no limit).
     """
 
-    def __init__(self, pid, token, cache=4096):
+    def __init__(self, pid, token, role="worker", cache=4096,
+                 max_mapped_bytes=None):
         self.pid = pid
         self.token = token
+        self.role = _check_role(role)
         self._cache = OrderedDict()  # (buffer id, writable) -> (fd, array)
         self._cache_size = cache
+        self._max_mapped = max_mapped_bytes
+        self._mapped = 0  # bytes of the cached mappings
         self._lock = threading.Lock()
         self.probe_fd = None  # the descriptor `connect` verified
 
@@ -199,8 +242,14 @@ class PeerBuffers:
         return os.path.exists(where)
 
     @classmethod
-    def connect(cls, description):
-        """Verifies a peer's `Arena.describe()`; None if we cannot map it."""
+    def connect(cls, description, role="worker", max_mapped_bytes=None):
+        """Verifies a peer's `Arena.describe()`; None if we cannot map it.
+
+        Args:
+            description: what the peer's `Arena.describe()` returned.
+            role: the role the peer's arena must have. Defaults to "worker".
+            max_mapped_bytes: as for `PeerBuffers`. Defaults to None.
+        """
         if not supported() or not isinstance(description, list) or \
                 len(description) != 4:
             return None
@@ -209,8 +258,9 @@ class PeerBuffers:
             token = bytes.fromhex(token_hex)
             if boot != _boot_id() or not boot or len(token) != TOKEN_BYTES:
                 return None
-            peer = cls(int(pid), token)
-            probe = peer._map(int(probe_fd), TOKEN_BYTES)
+            peer = cls(int(pid), token, role,
+                       max_mapped_bytes=max_mapped_bytes)
+            probe = peer._map(int(probe_fd), TOKEN_BYTES, buffer_id=PROBE_ID)
             if probe[:TOKEN_BYTES].tobytes() != token:
                 return None
             peer.probe_fd = int(probe_fd)
@@ -219,19 +269,24 @@ class PeerBuffers:
             log.debug("no shared memory with pid %s: %s", pid, exc)
             return None
 
-    def _map(self, fd, nbytes, writable=False):
+    def _map(self, fd, nbytes, writable=False, buffer_id=None):
         path = f"/proc/{self.pid}/fd/{fd}"
         # Only a memfd is opened: opening what a peer names could have side
         # effects (a device, a FIFO). The check after opening stays, as the
-        # descriptor can change between the two.
-        if not os.readlink(path).startswith("/memfd:"):
+        # descriptor can change between the two. And only one of the peer's
+        # arena, of the number it was named by (see the module's notes).
+        link = os.readlink(path)
+        if not link.startswith("/memfd:"):
             raise ValueError(f"{path} is not a memory file")
+        name = buffer_name(self.role, self.token, buffer_id)
+        if link not in (f"/memfd:{name}", f"/memfd:{name} (deleted)"):
+            raise ValueError(f"{path} is not buffer {buffer_id} of the "
+                             f"peer's arena")
         # O_NONBLOCK: a peer naming a FIFO must not block us.
         handle = os.open(path, (os.O_RDWR if writable else os.O_RDONLY)
                          | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
-            info = os.fstat(handle)
-            if not stat.S_ISREG(info.st_mode):
+            if not stat.S_ISREG(os.fstat(handle).st_mode):
                 raise ValueError(f"{path} is not a memory file")
             try:
                 seals = fcntl.fcntl(handle, fcntl.F_GET_SEALS)
@@ -239,9 +294,20 @@ class PeerBuffers:
                 seals = 0
             if not seals & fcntl.F_SEAL_SHRINK:
                 raise ValueError(f"{path} is not sealed against shrinking")
+            # The size only after the seal: it can no longer shrink below
+            # what we map (a read past the end would be SIGBUS).
+            info = os.fstat(handle)
             if info.st_size < nbytes or info.st_size == 0:
                 raise ValueError(f"{path} holds {info.st_size} bytes, "
                                  f"fewer than {nbytes}")
+            if os.fstatvfs(handle).f_bsize != mmap.PAGESIZE:
+                # Huge pages: a read of a hole the peer punched can fault.
+                raise ValueError(f"{path} is not in ordinary pages")
+            if self._max_mapped is not None and \
+                    info.st_size > self._max_mapped:
+                raise ValueError(f"{path} holds {info.st_size} bytes, more "
+                                 f"than the {self._max_mapped} this peer may "
+                                 f"have mapped")
             mapped = mmap.mmap(handle, info.st_size, access=(
                 mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ))
         finally:
@@ -276,13 +342,18 @@ class PeerBuffers:
             cached = self._cache.get(key)
             if cached is None or cached[0] != fd:
                 try:
-                    cached = (fd, self._map(fd, offset + nbytes, writable))
+                    cached = (fd, self._map(fd, offset + nbytes, writable,
+                                            buffer_id))
                 except OSError as exc:
                     raise ValueError(f"cannot map buffer {buffer_id} of "
                                      f"pid {self.pid}: {exc}") from None
+                self._uncache(key)
                 self._cache[key] = cached
-                while len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
+                self._mapped += cached[1].nbytes
+                while len(self._cache) > self._cache_size or (
+                        self._max_mapped is not None
+                        and self._mapped > self._max_mapped):
+                    self._uncache(next(iter(self._cache)))
             else:
                 self._cache.move_to_end(key)
         whole = cached[1]
@@ -290,6 +361,12 @@ class PeerBuffers:
             raise ValueError(f"reference {ref} reaches beyond buffer "
                              f"{buffer_id}'s {whole.nbytes} bytes")
         return whole[offset:offset + nbytes]
+
+    def _uncache(self, key):
+        """Forgets a cached mapping (unmapped once no view of it is left)."""
+        dropped = self._cache.pop(key, None)
+        if dropped is not None:
+            self._mapped -= dropped[1].nbytes
 
     @staticmethod
     def writable_alias(array):

@@ -114,11 +114,73 @@ def test_buffers_cannot_shrink_and_unsealed_files_are_refused():
     with pytest.raises(PermissionError):  # mapped memory stays mapped
         os.ftruncate(buffer.fd, 100)
     peer = shm.PeerBuffers.connect(arena.describe())
-    unsealed = os.memfd_create("unsealed")
+    # (named as the arena's buffer 99 would be: the name alone passes)
+    unsealed = os.memfd_create(shm.buffer_name("worker", arena.token, 99))
     os.ftruncate(unsealed, 8192)
     with pytest.raises(ValueError, match="not sealed"):
         peer.view([99, unsealed, 0, 100])
     os.close(unsealed)
+    arena.close()
+
+
+def _sealed_memfd(name, nbytes, fill=0):
+    """A memory file sealed against shrinking, as a peer could make."""
+    import fcntl  # noqa: PLC0415
+    fd = os.memfd_create(name, os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, nbytes)
+    os.pwrite(fd, bytes([fill]) * nbytes, 0)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def test_only_the_peer_arenas_own_files_are_mapped():
+    """A peer cannot make us map another process's memory by naming, as
+    its probe or a buffer, a memory file whose bytes it knows (zeros, rows
+    it wrote): only files its arena named, of the role we expect, are
+    mapped."""
+    arena = shm.Arena()
+    pid, boot, probe_fd, token = arena.describe()
+    zeros = _sealed_memfd("someone-else", 4096)
+    # As its probe: the bytes match the "token" it claims, the name does not.
+    assert shm.PeerBuffers.connect([pid, boot, zeros, "00" * 16]) is None
+    data = arena.allocate(64)
+    data.array[:16] = np.frombuffer(arena.token, np.uint8)
+    assert shm.PeerBuffers.connect([pid, boot, data.fd, token]) is None
+    # A shard's arena is refused where a worker's is expected (a shard
+    # tells every worker its token), and the other way round.
+    shard_arena = shm.Arena(role="shard")
+    assert shm.PeerBuffers.connect(shard_arena.describe()) is None
+    assert shm.PeerBuffers.connect(arena.describe(), role="shard") is None
+    assert shm.PeerBuffers.connect(shard_arena.describe(),
+                                   role="shard") is not None
+    # As a buffer: another file, or another arena's buffer, under a number.
+    peer = shm.PeerBuffers.connect(arena.describe())
+    other = shard_arena.allocate(64)
+    for fd in (zeros, other.fd, probe_fd):
+        with pytest.raises(ValueError, match="not buffer 5 of the peer"):
+            peer.view([5, fd, 0, 16])
+    with pytest.raises(ValueError, match=f"not buffer {data.id + 1} "):
+        peer.view([data.id + 1, data.fd, 0, 16])  # its own, misnumbered
+    assert bytes(peer.view(data.ref(0, 16))) == arena.token
+    with pytest.raises(ValueError, match="role"):
+        shm.Arena(role="admin")
+    os.close(zeros)
+    shard_arena.close()
+    arena.close()
+
+
+def test_a_peer_cannot_make_us_map_more_than_allowed():
+    arena = shm.Arena()
+    peer = shm.PeerBuffers.connect(arena.describe(), max_mapped_bytes=3 * 4096)
+    big = arena.allocate(4 * 4096)
+    with pytest.raises(ValueError, match="more than the 12288"):
+        peer.view(big.ref(0, 16))
+    small = [arena.allocate(4096) for _ in range(5)]
+    views = [peer.view(b.ref(0, 4096)) for b in small]  # old ones dropped
+    assert peer._mapped <= 3 * 4096 and len(peer._cache) == 3
+    for buffer, view in zip(small, views):  # still mapped while viewed
+        buffer.array[:] = buffer.id
+        assert (view == buffer.id).all()
     arena.close()
 
 

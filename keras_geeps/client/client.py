@@ -424,7 +424,7 @@ class GeePSClient:
                             "cannot map this worker's buffers; rows go "
                             "through TCP", self.worker_id, shard, address)
             return
-        peer = shm.PeerBuffers.connect(meta.get("shm"))
+        peer = shm.PeerBuffers.connect(meta.get("shm"), role="shard")
         if peer is not None:
             self._shm_peers[shard] = (peer, peer.token.hex())
             self._shm_upload.add(shard)
