@@ -40,6 +40,8 @@ import numpy as np
 from keras_geeps import protocol
 
 FORMAT = 1
+# Clocks a checkpoint may hold: below the shard's dead-worker mark.
+MAX_CLOCK = 1 << 61
 
 
 class CheckpointError(RuntimeError):
@@ -129,6 +131,17 @@ def load(directory, shard_id, num_shards, num_workers):
             tables = {}
             for tid, entry in meta["tables"].items():
                 spec = entry["spec"]
+                problem = protocol.table_spec_problem(
+                    int(tid) if tid.isdigit() and tid == str(int(tid))
+                    else tid, spec)
+                clock = entry["clock"]
+                if problem is None and (
+                        isinstance(clock, bool) or not isinstance(clock, int)
+                        or not 0 <= clock < MAX_CLOCK):
+                    problem = f"table {tid}: clock {clock!r} is not an int " \
+                              f"in [0, {MAX_CLOCK})"
+                if problem is not None:
+                    raise CheckpointError(f"{path}: {problem}")
                 rows = archive[f"table_{tid}"]
                 dtype = protocol.numpy_dtype(spec["dtype"])
                 stored = np.dtype(np.uint16) if spec["dtype"] == "bfloat16" \
@@ -144,7 +157,7 @@ def load(directory, shard_id, num_shards, num_workers):
                     raise CheckpointError(f"{path}: table {tid} has shape "
                                           f"{rows.shape}, spec says "
                                           f"{expected}")
-                tables[int(tid)] = (spec, int(entry["clock"]), rows.copy())
+                tables[int(tid)] = (spec, clock, rows.copy())
             return tables
     except CheckpointError:
         raise

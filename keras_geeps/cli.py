@@ -87,9 +87,9 @@ def _ask_all(args, msg_type):
 
 
 def _cmd_stats(args):
-    from keras_geeps.protocol import MsgType  # noqa: PLC0415
+    from keras_geeps.protocol import MsgType, stats_of  # noqa: PLC0415
     for reply in _ask_all(args, MsgType.STATS):
-        print(json.dumps(json.loads(reply.meta["stats"]), indent=1))
+        print(json.dumps(stats_of(reply), indent=1))
     return 0
 
 

@@ -16,11 +16,12 @@ of the wrong version or too large.
 """
 
 import enum
+import json
 
 import msgpack
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: STATS_REPLY carries its JSON as a frame
 
 # Defaults for the limits a receiver enforces. A shard may lower or raise
 # them through its settings; they exist so that a hostile or broken peer
@@ -158,7 +159,7 @@ _META_SCHEMA = {
                   "ready": bool},
     MsgType.ERROR: {"error": str, "code": str},
     MsgType.STATS: {},
-    MsgType.STATS_REPLY: {"stats": str},  # JSON text
+    MsgType.STATS_REPLY: {},  # one frame: JSON text (see stats_reply)
     MsgType.STOP: {},
     MsgType.HEARTBEAT: {},
     MsgType.CHECKPOINT: {},
@@ -176,6 +177,7 @@ _FRAME_COUNTS = {
     MsgType.ROWS: (0, MAX_FRAMES),
     MsgType.UPDATE: (0, MAX_FRAMES),
     MsgType.PUSH: (0, MAX_FRAMES),
+    MsgType.STATS_REPLY: (1, 1),
 }
 
 _INT_MIN = -(1 << 62)
@@ -437,6 +439,82 @@ def aligned_empty(size, dtype=np.uint8, alignment=64):
     raw = np.empty(size * dtype.itemsize + alignment, np.uint8)
     offset = -raw.ctypes.data % alignment
     return raw[offset:offset + size * dtype.itemsize].view(dtype)
+
+
+TABLE_SPEC_KEYS = ("name", "rows", "width", "dtype", "row_start", "row_end")
+MAX_NAME_CHARS = 1024  # the longest table name kept
+
+
+def table_spec_problem(table_id, spec):
+    """What is wrong with a table's spec (as CREATE and DECLARE carry it,
+    and a checkpoint keeps it), or None.
+
+    Args:
+        table_id: the table's id.
+        spec: a dict of exactly `TABLE_SPEC_KEYS`: name (str), rows,
+            width, row_start and row_end (ints), dtype (a wire name).
+
+    Example:
+
+    >>> table_spec_problem(0, {"name": "w", "rows": 4, "width": 2,
+    ...     "dtype": "float32", "row_start": 0, "row_end": 5})
+    'table 0: row range [0, 5) is not within [0, 4)'
+    """
+    if not isinstance(spec, dict) or sorted(spec) != sorted(TABLE_SPEC_KEYS):
+        return (f"table {table_id}: a spec has exactly "
+                f"{', '.join(TABLE_SPEC_KEYS)}")
+    if isinstance(table_id, bool) or not isinstance(table_id, int) or \
+            not 0 <= table_id <= _INT_MAX:
+        return f"table id {table_id!r} is not an int >= 0"
+    if not isinstance(spec["name"], str) or \
+            len(spec["name"]) > MAX_NAME_CHARS:
+        return (f"table {table_id}: its name must be a string of at most "
+                f"{MAX_NAME_CHARS} characters")
+    if spec["dtype"] not in ALLOWED_DTYPES:
+        return (f"table {table_id}: unknown dtype {spec['dtype']!r}; "
+                f"allowed: {', '.join(ALLOWED_DTYPES)}")
+    for key in ("rows", "width", "row_start", "row_end"):
+        value = spec[key]
+        if isinstance(value, bool) or not isinstance(value, int) or \
+                not 0 <= value <= _INT_MAX:
+            return f"table {table_id}: {key} must be an int >= 0"
+    if spec["width"] < 1:
+        return f"table {table_id}: width must be >= 1"
+    if not 0 <= spec["row_start"] <= spec["row_end"] <= spec["rows"]:
+        return (f"table {table_id}: row range [{spec['row_start']}, "
+                f"{spec['row_end']}) is not within [0, {spec['rows']})")
+    return None
+
+
+def stats_reply(seq, stats):
+    """A STATS_REPLY to request `seq` carrying `stats` (JSON-able) as JSON
+    text in its one frame: a shard's statistics grow with its tables, past
+    what a header may hold.
+
+    Example:
+
+    >>> stats_of(decode(encode(stats_reply(3, {"tables": {}}))))
+    {'tables': {}}
+    """
+    text = json.dumps(stats).encode()
+    return Message(MsgType.STATS_REPLY, seq=seq,
+                   arrays=[np.frombuffer(text, np.uint8)])
+
+
+def stats_of(message):
+    """The statistics a STATS_REPLY carries (a dict).
+
+    Raises:
+        ProtocolError: when the frame is not a JSON object.
+    """
+    try:
+        stats = json.loads(message.arrays[0].tobytes())
+    except (IndexError, ValueError) as exc:
+        raise ProtocolError(f"STATS_REPLY: its frame is not JSON ({exc})"
+                            ) from None
+    if not isinstance(stats, dict):
+        raise ProtocolError("STATS_REPLY: its frame is not a JSON object")
+    return stats
 
 
 def row_chunks(num_rows, width, itemsize, chunk_bytes=DEFAULT_CHUNK_BYTES):

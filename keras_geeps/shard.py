@@ -25,7 +25,6 @@ or as a thread (`ShardServer(...).start()`, for tests and notebooks).
 
 import argparse
 import collections
-import json
 import logging
 import os
 import signal
@@ -54,7 +53,9 @@ class ShardSettings:
         max_pending_clocks: how far ahead of the global clock a worker's
             update or clock may be (bounds SSP buffers, and the clocks one
             advance covers). Defaults to 64.
-        max_parked_reads: most reads waiting for freshness. Defaults to 4096.
+        max_parked_reads: most reads waiting for freshness, each worker at
+            most its share (max_parked_reads / num_workers). Defaults to
+            4096.
         chunk_bytes: size of the row chunks the shard sends. Defaults to
             `protocol.DEFAULT_CHUNK_BYTES`.
         poll_timeout_ms: poll loop turn, so stop requests and housekeeping
@@ -155,6 +156,10 @@ WRITER_BACKOFF_MAX_S = 60.0
 # can be briefly taken: a worker reconnecting to a free loopback port may
 # get it as its own source port, TCP self-connect, until ZeroMQ drops it).
 BIND_RETRY_S = 5.0
+
+# How many earlier processes of a worker are remembered as never to be let
+# back (one per restart).
+MAX_BURIED = 1024
 
 DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
 
@@ -379,13 +384,21 @@ class _SeqTracker:
     def seen(self, seq):
         return seq <= self.upto or seq in self.above
 
+    def beyond(self, seq):
+        """Whether `seq` jumps more than the window past the highest done:
+        no worker numbers that many requests that never arrive, and marking
+        it would count every later one as done."""
+        return seq > self.top + self.WINDOW
+
     def mark(self, seq):
         self.top = max(self.top, seq)
         if seq > self.upto:
             self.above.add(seq)
-        # Gaps further back than the window will not fill: skipped.
+        # Gaps further back than the window will not fill: skipped (in
+        # steps of a quarter window, so a worker that leaves gaps does not
+        # make every message rebuild the set).
         floor = self.top - self.WINDOW
-        if floor > self.upto:
+        if floor > self.upto + self.WINDOW // 4:
             self.upto = floor
             self.above = {s for s in self.above if s > floor}
         while self.upto + 1 in self.above:
@@ -532,7 +545,13 @@ class ShardServer:
                 except Exception:  # a bug must not take the shard down
                     log.exception("shard %d: internal error in its "
                                   "housekeeping", self.shard_id)
-                ready = seal.poll_paced(poller, self._pump_sealed(),
+                try:
+                    waiting = self._pump_sealed()
+                except Exception:  # a bug must not take the shard down
+                    log.exception("shard %d: internal error sealing "
+                                  "replies", self.shard_id)
+                    waiting = False
+                ready = seal.poll_paced(poller, waiting,
                                         self.settings.poll_timeout_ms)
                 for sock, dispatch in sockets:
                     if sock in ready:
@@ -647,6 +666,14 @@ class ShardServer:
         messages (`seal.SealGap`: it is ended): hello_required, and the
         worker's HELLO starts a new session, over which it resends what
         this shard may not have had."""
+        try:
+            self._open_sealed(frames)
+        except Exception:  # a bug must not take the shard down
+            self.stats["errors"] += 1
+            log.exception("shard %d: internal error opening a sealed "
+                          "message", self.shard_id)
+
+    def _open_sealed(self, frames):
         route = frames[0].bytes
         session = self._sessions.get(route)
         if session is None:
@@ -756,6 +783,11 @@ class ShardServer:
 
     def _handle(self, identity, message):
         worker = message.worker
+        tracker = self._seqs.get(worker)
+        if tracker is not None and message.type != MsgType.HELLO and \
+                self._identities.get(worker) == identity and \
+                tracker.beyond(message.seq):
+            raise self._seq_jump(worker, message.seq)
         try:
             self._handle_request(identity, message)
         finally:
@@ -764,16 +796,17 @@ class ShardServer:
             # worker resends a ONCE_ONLY request only when the answer may
             # be lost, and gets the one kept in _answers again): mark them
             # all, so the tracker keeps no gaps and its memory stays flat.
-            if worker in self._seqs and \
+            # All but a jump (a refused HELLO of the same process's).
+            tracker = self._seqs.get(worker)
+            if tracker is not None and not tracker.beyond(message.seq) and \
                     self._identities.get(worker) == identity:
-                self._seqs[worker].mark(message.seq)
+                tracker.mark(message.seq)
 
     def _handle_request(self, identity, message):
         kind = message.type
         if kind == MsgType.STATS:
-            self._send(identity, Message(
-                MsgType.STATS_REPLY, seq=message.seq,
-                meta={"stats": json.dumps(self.snapshot_stats())}))
+            self._send(identity, protocol.stats_reply(
+                message.seq, self.snapshot_stats()))
             return
         if kind == MsgType.STOP:
             self._send(identity, Message(MsgType.ACK, seq=message.seq))
@@ -834,6 +867,12 @@ class ShardServer:
             return
         handler(identity, message)
 
+    def _seq_jump(self, worker, seq):
+        return RequestError(
+            f"sequence number {seq} is more than {_SeqTracker.WINDOW} past "
+            f"worker {worker}'s latest ({self._seqs[worker].top}): refused, "
+            f"not counted")
+
     # ---------------------------------------------------------- requests
     def _hello(self, identity, message):
         meta = message.meta
@@ -854,6 +893,8 @@ class ShardServer:
             raise RequestError(self._declared_dead(worker),
                                protocol.ERROR_WORKER_DEAD)
         previous = self._incarnations.get(worker)
+        if previous == incarnation and self._seqs[worker].beyond(message.seq):
+            raise self._seq_jump(worker, message.seq)
         if previous != incarnation:
             # A new worker process (or this shard is new): its requests are
             # numbered from its HELLO on.
@@ -864,7 +905,9 @@ class ShardServer:
                 self._rejoin(worker)
             elif previous is not None:
                 self._restarted(worker)
-            # (after: a death `_restarted` declares buries the old process)
+                # The old process never takes its place back (it may only
+                # have been cut off): one a death buried, or this one.
+                self._bury(worker, previous)
             self._incarnations[worker] = incarnation
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
@@ -996,21 +1039,13 @@ class ShardServer:
         return rows
 
     def _table_for(self, message):
-        spec = {k: message.meta.get(k) for k in
-                ("name", "rows", "width", "dtype", "row_start", "row_end")}
+        spec = {k: message.meta.get(k) for k in protocol.TABLE_SPEC_KEYS}
         if any(v is None for v in spec.values()):
             raise RequestError(f"{message.type.name} needs name, rows, width, "
                                f"dtype, row_start and row_end")
-        if message.table < 0:
-            raise RequestError(f"table id {message.table} is negative")
-        protocol.numpy_dtype(spec["dtype"])
-        if spec["width"] < 1 or spec["rows"] < 0:
-            raise RequestError(f"table {message.table}: width must be >= 1 "
-                               f"and rows >= 0")
-        if not 0 <= spec["row_start"] <= spec["row_end"] <= spec["rows"]:
-            raise RequestError(f"table {message.table}: row range "
-                               f"[{spec['row_start']}, {spec['row_end']}) "
-                               f"is not within [0, {spec['rows']})")
+        problem = protocol.table_spec_problem(message.table, spec)
+        if problem is not None:
+            raise RequestError(problem)
         table = self._tables.get(message.table)
         if table is not None:
             if table.spec != spec:
@@ -1121,20 +1156,49 @@ class ShardServer:
     def _read(self, identity, message):
         self._note_reader(message)
         table = self._tables.get(message.table)
+        if table is not None and table.ready and message.clk > \
+                table.global_clock + self.settings.max_pending_clocks + 1:
+            raise RequestError(
+                f"a read of table {message.table} at clock {message.clk}, "
+                f"more than max_pending_clocks="
+                f"{self.settings.max_pending_clocks} past its clock "
+                f"{table.global_clock}: no worker gets that far ahead")
         if table is None or not table.ready or table.global_clock < message.clk:
-            if len(self._parked) >= self.settings.max_parked_reads:
-                raise RequestError(f"too many waiting reads "
-                                   f"({len(self._parked)}); refusing read "
-                                   f"of table {message.table}")
-            self._parked.append((identity, message))
+            self._park(identity, message)
             return
         self._send_rows(table, [identity], MsgType.ROWS, message.seq,
                         table.data)
 
+    def _park(self, identity, message):
+        """Keeps a read until its rows are fresh enough: at most
+        max_parked_reads, and each worker at most its share of them."""
+        limit = self.settings.max_parked_reads
+        share = -(-limit // self.num_workers)
+        if len(self._parked) >= share:
+            self._prune_parked()
+            mine = sum(m.worker == message.worker for _, m in self._parked)
+            if len(self._parked) >= limit or mine >= share:
+                raise RequestError(
+                    f"too many waiting reads ({len(self._parked)}, {mine} "
+                    f"of worker {message.worker}; max_parked_reads={limit}"
+                    f"): refusing read of table {message.table}")
+        self._parked.append((identity, message))
+
+    def _prune_parked(self):
+        """Drops waiting reads no answer can reach: of a dead worker, or
+        from a route its worker left (a new connection or session; the
+        worker asks again over it)."""
+        self._parked = [(i, m) for i, m in self._parked
+                        if m.worker not in self._dead
+                        and self._identities.get(m.worker) == i]
+
     def _serve_parked(self):
         parked, self._parked = self._parked, []
         for identity, message in parked:
-            self._read(identity, message)
+            try:
+                self._read(identity, message)
+            except RequestError as exc:  # (its worker can be told)
+                self._refuse(identity, message, str(exc), exc.code)
 
     def _check_rows(self, table, array, row):
         if array.dtype != table.dtype:
@@ -1540,6 +1604,15 @@ class ShardServer:
     def _restore(self):
         tables = checkpoint.load(self.settings.checkpoint_dir, self.shard_id,
                                  self.num_shards, self.num_workers)
+        nbytes = sum(2 * rows.nbytes for _, _, rows in tables.values())
+        if len(tables) > self.settings.max_tables or \
+                nbytes > self.settings.max_table_bytes:
+            raise checkpoint.CheckpointError(
+                f"the checkpoint in {self.settings.checkpoint_dir} holds "
+                f"{len(tables)} tables of {nbytes // 2} bytes, beyond this "
+                f"shard's limits (max_tables={self.settings.max_tables}, "
+                f"max_table_bytes={self.settings.max_table_bytes}, which "
+                f"must hold the rows twice)")
         for table_id, (spec, clock, rows) in tables.items():
             table = self._new_table(table_id, spec)
             table.data = rows
@@ -1581,8 +1654,7 @@ class ShardServer:
         # may have), and is told so where it still listens (stalled, not
         # dead): over CURVE when it has a sealed session, whose sender
         # closes now.
-        self._buried.setdefault(worker, set()).add(
-            self._incarnations.get(worker))
+        self._bury(worker, self._incarnations.get(worker))
         told = self._curve_identities.get(worker) or \
             self._identities.get(worker)
         if told is not None and not isinstance(told, tuple):
@@ -1600,6 +1672,15 @@ class ShardServer:
         # Last: whoever sees it dead (stats, from another thread too) also
         # sees its buffers freed and its clocks no longer awaited.
         self._dead.add(worker)
+        self._prune_parked()
+
+    def _bury(self, worker, incarnation):
+        """That process of `worker` is refused from now on (its HELLO and
+        so everything after it); the latest MAX_BURIED are remembered."""
+        buried = self._buried.setdefault(worker, {})
+        buried[incarnation] = True
+        while len(buried) > MAX_BURIED:
+            del buried[next(iter(buried))]
 
     def _restarted(self, worker):
         """A new process of a worker this shard still counts as live.

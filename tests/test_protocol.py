@@ -25,10 +25,11 @@ def _example(kind):
         MsgType.UPDATE: {"chunk_row": 0, "indexed": False},
         MsgType.PUSH: {"row_start": 0, "row_end": 3, "chunk_row": 0},
         MsgType.ERROR: {"error": "no such table"},
-        MsgType.STATS_REPLY: {"stats": "{}"},
     }.get(kind, {})
     arrays = [rows] if kind in (MsgType.CREATE, MsgType.ROWS, MsgType.UPDATE,
                                 MsgType.PUSH) else []
+    if kind == MsgType.STATS_REPLY:
+        arrays = [np.frombuffer(b'{"tables": {}}', np.uint8)]
     return Message(kind, table=5, clk=17, worker=3, seq=99, arrays=arrays,
                    meta=meta)
 

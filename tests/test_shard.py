@@ -1,6 +1,5 @@
 """A shard in a thread, driven through raw sockets and through the client."""
 
-import json
 import time
 
 import numpy as np
@@ -147,11 +146,23 @@ def test_seq_tracker_skips_gaps_older_than_its_window(monkeypatch):
     assert not tracker.seen(13) and not tracker.seen(15)
     for seq in range(15, 100):  # 13 never comes
         tracker.mark(seq)
-        assert len(tracker.above) <= 8
+        assert len(tracker.above) <= 8 + 8 // 4
     assert tracker.seen(13) and tracker.upto == 99 and not tracker.above
-    tracker.mark(1 << 40)  # a jump far ahead
+    assert not tracker.beyond(107) and tracker.beyond(108)
+    tracker.mark(1 << 40)  # (the shard refuses such a jump; see beyond)
     assert tracker.seen(1 << 40) and not tracker.seen((1 << 40) + 1)
-    assert len(tracker.above) <= 8
+    assert len(tracker.above) <= 8 + 8 // 4
+    # A worker that leaves every other number unused: the set is rebuilt
+    # once per quarter window, not on every message.
+    monkeypatch.setattr(_SeqTracker, "WINDOW", 64)
+    tracker = _SeqTracker(start=0)
+    rebuilt, above = 0, tracker.above
+    for seq in range(2, 2002, 2):  # 1000 numbers
+        tracker.mark(seq)
+        rebuilt += tracker.above is not above
+        above = tracker.above
+        assert len(above) <= (64 + 64 // 4) // 2 + 1
+    assert rebuilt <= 1000 // 4  # once per 8 here (it was once per number)
 
 
 def test_resent_update_is_applied_once(shard, peer):
@@ -346,7 +357,7 @@ def test_garbage_gets_errors_and_shard_keeps_serving(shard, peer, garbage):
 
 def test_stats_and_stop(shard, peer):
     reply = peer.ask(MsgType.STATS)
-    stats = json.loads(reply.meta["stats"])
+    stats = protocol.stats_of(reply)
     assert stats["tables"]["0"]["rows"] == 4 and stats["workers"] == [0]
     assert stats["bytes_in"] > 0 and stats["bytes_out"] > 0
     assert peer.ask(MsgType.STOP).type == MsgType.ACK

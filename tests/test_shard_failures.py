@@ -134,6 +134,8 @@ def test_a_worker_restarted_mid_clock_stops_the_job(servers):
 
 
 def test_a_worker_restarted_between_clocks_carries_on(servers):
+    """The new process takes the worker's place; the old one (it may only
+    have been cut off) can never take it back from its replacement."""
     server = servers(num_workers=2, worker_timeout=30)
     first, other = _two_workers_one_table(servers, server)
     for peer in (first, other):
@@ -144,12 +146,112 @@ def test_a_worker_restarted_between_clocks_carries_on(servers):
         ack = again.ask_past_pushes(MsgType.DECLARE, table=0,
                                     meta=spec(4, 2))
         assert ack.meta["global_clock"] == 1
+        reply = first.ask_past_pushes(MsgType.HELLO,
+                                      meta={"incarnation": 1})
+        assert reply.type == MsgType.ERROR
+        assert reply.meta["code"] == protocol.ERROR_WORKER_DEAD
         again.send(again.message(MsgType.UPDATE, table=0, clk=1,
                                  arrays=[np.ones((4, 2), np.float32)]))
         assert again.ask_past_pushes(MsgType.CLOCK, table=0,
                                      clk=1).type == MsgType.ACK
+        assert server.snapshot_stats()["dead_workers"] == []
     finally:
         again.close()
+
+
+def test_a_sequence_number_far_ahead_is_refused_not_counted(servers):
+    """One request numbered far past the worker's latest would make every
+    later one count as done (its updates dropped unanswered): refused."""
+    server = servers(num_workers=1)
+    peer = servers.peer(server, 0)
+    _create(peer, 4, 3)
+    jump = peer.message(MsgType.STATS)
+    jump.seq += 1 << 20
+    peer.send(jump)
+    reply = peer.recv()
+    assert reply.type == MsgType.ERROR
+    assert "sequence number" in reply.meta["error"]
+    hello = peer.message(MsgType.HELLO, meta={"incarnation": 1})
+    hello.seq += 1 << 20  # nor by a HELLO of the same process
+    peer.send(hello)
+    assert peer.recv().type == MsgType.ERROR
+    peer.send(peer.message(MsgType.UPDATE, table=0, clk=0,
+                           arrays=[np.ones((4, 3), np.float32)]))
+    assert peer.ask_past_pushes(MsgType.CLOCK, table=0,
+                                clk=0).type == MsgType.ACK
+    rows = peer.ask_past_pushes(MsgType.READ, table=0, clk=1)
+    assert rows.type == MsgType.ROWS
+    np.testing.assert_array_equal(rows.arrays[0], 1)
+
+
+def test_one_worker_cannot_take_every_waiting_read(servers):
+    """Reads that wait are bounded per worker (its share of
+    max_parked_reads), reads of clocks no worker can reach are refused, and
+    a worker's reads from a route it left stop counting."""
+    server = servers(num_workers=2, max_parked_reads=8)
+    first, other = _two_workers_one_table(servers, server)
+    reply = first.ask(MsgType.READ, table=0, clk=1 << 40)
+    assert reply.type == MsgType.ERROR and "max_pending_clocks" in \
+        reply.meta["error"]
+    for _ in range(4):  # its share: parked, no answer yet
+        first.send(first.message(MsgType.READ, table=0, clk=1))
+    reply = first.ask(MsgType.READ, table=0, clk=1)
+    assert reply.type == MsgType.ERROR and "waiting reads" in \
+        reply.meta["error"]
+    for _ in range(4):  # the other worker still gets its share
+        other.send(other.message(MsgType.READ, table=0, clk=1))
+    assert [m.type for m in other.drain() if m.type != MsgType.PUSH] == []
+    # Worker 0 connects again (a new route): its old reads stop counting.
+    again = RawPeer(server.address, 0)
+    again.seq = first.seq  # (the same process: it numbers on)
+    try:
+        assert again.ask(MsgType.HELLO, meta={"incarnation": 1}).type == \
+            MsgType.WELCOME
+        again.send(again.message(MsgType.READ, table=0, clk=1))
+        for peer in (again, other):
+            peer.send(peer.message(MsgType.CLOCK, table=0, clk=0))
+        answered = [m for m in again.drain() if m.type == MsgType.ROWS]
+        assert len(answered) == 1 and answered[0].clk == 1
+        assert len([m for m in other.drain()
+                    if m.type == MsgType.ROWS]) == 4
+        assert server.snapshot_stats()["parked_reads"] == 0
+    finally:
+        again.close()
+
+
+def test_stats_of_many_tables_outgrow_no_header_limit(servers):
+    """A shard's statistics grow with its tables: they travel as a frame,
+    not in the header (whose 64 KiB limit they passed at ~380 tables)."""
+    server = servers(num_workers=1)
+    peer = servers.peer(server, 0)
+    for table in range(600):
+        peer.send(peer.message(MsgType.DECLARE, table=table,
+                               meta=spec(1, 1, name=f"layer_{table:04d}")))
+    assert all(m.type == MsgType.ACK for m in
+               (peer.recv() for _ in range(600)))
+    reply = peer.ask(MsgType.STATS)
+    stats = protocol.stats_of(reply)
+    assert len(reply.arrays[0]) > protocol.MAX_HEADER_BYTES
+    assert len(stats["tables"]) == 600
+    reply = peer.ask(MsgType.DECLARE, table=600,
+                     meta=spec(1, 1, name="x" * 1025))
+    assert reply.type == MsgType.ERROR and "at most 1024" in \
+        reply.meta["error"]
+
+
+def test_a_checkpoint_beyond_the_limits_is_not_restored(tmp_path):
+    rows = np.zeros((4, 2), np.float32)
+    checkpoint.write(tmp_path, 0, 1, 1, {t: (spec(4, 2, f"t{t}"), 3, rows)
+                                         for t in range(3)})
+    for limits in ({"max_tables": 2}, {"max_table_bytes": 5 * rows.nbytes}):
+        with pytest.raises(checkpoint.CheckpointError, match="limits"):
+            ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
+                checkpoint_dir=str(tmp_path), shared_memory=False,
+                **limits), restore=True)
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
+        checkpoint_dir=str(tmp_path), shared_memory=False), restore=True)
+    assert server.snapshot_stats()["restored_clock"] == 3
+    server._close()
 
 
 def test_continue_mode_restart_mid_clock_rejoins(servers):

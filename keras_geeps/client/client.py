@@ -15,7 +15,6 @@ large slack approximates asynchronous training.
 import collections
 import functools
 import itertools
-import json
 import logging
 import os
 import threading
@@ -1577,7 +1576,7 @@ class GeePSClient:
         replies = self._request_all(
             [(s, Message(MsgType.STATS))
              for s in range(self.cluster.num_shards)], "STATS")
-        return [json.loads(r.meta["stats"]) for r in replies]
+        return [protocol.stats_of(r) for r in replies]
 
     def stats(self, tables=None):
         """Returns this worker's figures: bytes moved, waits, data ages,
@@ -1615,7 +1614,7 @@ class GeePSClient:
                 lines.append(f"shard {shard} ({address}) does not answer: it "
                              f"is dead or unreachable")
                 continue
-            info = json.loads(future.message.meta["stats"])
+            info = protocol.stats_of(future.message)
             shard_table = info["tables"].get(str(table.id))
             if shard_table is None or not shard_table["ready"]:
                 lines.append(f"shard {shard} ({address}) has no initial "

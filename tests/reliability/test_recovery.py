@@ -56,6 +56,18 @@ def test_checkpoint_write_is_atomic_and_round_trips(tmp_path, monkeypatch):
     checkpoint.write(tmp_path, 0, 2, 3, {7: (bf16, 10, rows16)})
     np.testing.assert_array_equal(checkpoint.load(tmp_path, 0, 2, 3)[7][2],
                                   rows16)
+    # What a checkpoint says is checked as a CREATE's spec is, not trusted.
+    for bad, says in ((dict(spec, row_end=5), "row range"),
+                      (dict(spec, width=0), "width must be >= 1"),
+                      (dict(spec, extra=1), "a spec has exactly"),
+                      (dict(spec, name="n" * 2000), "name must be")):
+        checkpoint.write(tmp_path, 0, 2, 3, {7: (bad, 10, rows)})
+        with pytest.raises(checkpoint.CheckpointError, match=says):
+            checkpoint.load(tmp_path, 0, 2, 3)
+    for clock in (-1, 1 << 62):
+        checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, clock, rows)})
+        with pytest.raises(checkpoint.CheckpointError, match="clock"):
+            checkpoint.load(tmp_path, 0, 2, 3)
 
 
 def _counter_workers(cluster, clocks, on_clock=None, timeout=60):
