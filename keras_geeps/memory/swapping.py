@@ -254,7 +254,13 @@ class Worker:
             except BaseException as exc:  # reported to whoever waits
                 job.error = exc
             finally:
+                # The job stays referenced (pending, and by whoever waits on
+                # it) until the step ends: what its function holds (e.g. a
+                # device tensor) must not stay alive with it. Cleared before
+                # `done` is set, so a waiter never sees it still held.
+                job.fn = None
                 job.done.set()
+            del job
 
     def drain(self, timeout=600.0):
         """Waits for every submitted job; raises the first failure."""

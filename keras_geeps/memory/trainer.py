@@ -506,11 +506,18 @@ class LayerwiseTrainer:
         if category == "pool":
             self.pool.release(tensor_bytes(tensor))
 
-    def _offload(self, index, tensor):
-        """Writer job: swaps an activation out and frees the device copy."""
+    def _offload(self, index):
+        """Writer job: swaps activation `index` out and frees the device copy.
+
+        The job finds the tensor by its index rather than being given it: a
+        job holding it would keep the device copy alive after `_drop`, until
+        the step ends (the jobs are referenced until then).
+        """
+        tensor = self._held[index]
         host = ops.swap_out(tensor)
         self._host_acts[index] = host
         self.swapped_out_bytes += tensor_bytes(tensor)
+        del tensor  # `_held` holds the last reference: `_drop` frees it
         self._drop(index)
 
     # ------------------------------------------------------ staging jobs
@@ -691,7 +698,7 @@ class LayerwiseTrainer:
                 if last_offload is not None:
                     last_offload.wait()
                 offload_jobs[i] = last_offload = self.writer.submit(
-                    functools.partial(self._offload, i, self._held[i]),
+                    functools.partial(self._offload, i),
                     f"offload of {unit.name}'s input")
 
         # ----- backward prefetches, in backward order

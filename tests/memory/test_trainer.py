@@ -7,6 +7,8 @@ holds on the device are measured (the variables' real storage) after every
 change and must never exceed the budget.
 """
 
+import weakref
+
 import keras
 import numpy as np
 import pytest
@@ -207,6 +209,41 @@ def test_activation_offload_gives_the_same_gradients():
     assert len(ours) == len(expected)
     for g, e in zip(ours, expected):
         np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", [mlp, mixed])
+def test_an_offloaded_activation_is_freed_before_it_comes_back(build):
+    """Once swapped out and dropped, the forward's device copy of an
+    offloaded activation is gone (nothing the step's jobs keep holds it)
+    by the time the backward prefetch swaps it in again: never two copies
+    on the device while the ledger counts one."""
+    model = build()
+    names = [layer.name for layer in model.layers]
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                               BATCH, audit=True, offload_activations=names)
+    measure = trainer.ledger.audit
+    forward = {}   # activation index -> weak reference to its first copy
+    back = {}      # index -> whether that copy lived on at the swap-in
+    try:
+        def audit():  # after every hold and drop, under the ledger's lock
+            for index, tensor in trainer._held.items():
+                if index not in forward:
+                    forward[index] = weakref.ref(tensor)
+                elif forward[index]() is not tensor and index not in back:
+                    back[index] = forward[index]() is not None
+            return measure()
+
+        trainer.ledger.audit = audit
+        x, y = batches(model.input_shape[1:], model.output_shape[-1],
+                       steps=1)[0]
+        trainer.train_step(x, y)
+        assert trainer.plan.offloaded == [True] * len(names)
+        assert trainer.stats()["audit_mismatches"] == 0
+    finally:
+        trainer.close()
+    assert sorted(back) == list(range(len(names)))  # each came back
+    assert not any(back.values()), \
+        [names[i] for i, alive in back.items() if alive]
 
 
 def test_budget_below_the_minimum_is_refused_with_the_minimum():

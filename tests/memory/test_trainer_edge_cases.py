@@ -4,14 +4,18 @@ steps, variable-length inputs, unseeded random ops and budgets that fail
 before the optimizer state exists. Every run under a budget is compared
 with the same run without one (or with Keras' own gradients)."""
 
+import functools
+import weakref
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from keras_geeps.errors import GeePSError
 from keras_geeps.memory import MemoryBudgetError, plan, record_model
 from keras_geeps.memory import trainer as trainer_module
-from keras_geeps.memory.swapping import AccessPool
+from keras_geeps.memory.swapping import AccessPool, Worker
 from keras_geeps.memory.trainer import LayerwiseTrainer
 from tests.memory.test_trainer import assert_same, keras_reference
 
@@ -266,3 +270,19 @@ def test_budget_too_small_fails_before_optimizer_state_is_built(monkeypatch):
         assert trainer.plan.device_bytes <= info.value.minimum_budget
     finally:
         trainer.close()
+
+
+# ------------------------------------- 10. a finished job lets go of its data
+def test_a_finished_job_keeps_nothing_its_function_was_given():
+    """Jobs stay referenced (pending, waited on) until a step ends; a job
+    that has run must not keep what its function was given alive."""
+    worker = Worker("test-worker")
+    try:
+        tensor = tf.ones([64, 64])
+        ref = weakref.ref(tensor)
+        job = worker.submit(functools.partial(tf.reduce_sum, tensor), "sum")
+        del tensor
+        assert float(job.wait()) == 64 * 64
+        assert job.fn is None and ref() is None
+    finally:
+        worker.close()
