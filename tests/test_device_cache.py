@@ -1,10 +1,14 @@
 """The device-resident cache (TF variables + custom ops) against numpy sums."""
 
+import time
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from keras_geeps.client.device_cache import DeviceParameterCache
+from keras_geeps.errors import GeePSError
+from keras_geeps.shard import ShardSettings
 from tests.worker_threads import run_worker_threads
 
 
@@ -85,3 +89,42 @@ def test_rows_in_the_callers_order_with_repeats(thread_cluster):
         expected = init.copy()
         np.add.at(expected, batch_rows, delta)
         np.testing.assert_array_equal(cache.read(table).numpy(), expected)
+
+
+def test_a_clock_that_raises_keeps_its_updates_for_a_retry(thread_cluster):
+    """`clock()` hands the log to `client.update`, which first raises what
+    went wrong earlier in the background (here: the shard refused an update
+    for want of memory). The clock's own updates must survive that raise and
+    go out when the clock is tried again."""
+    rows, width = 8, 4
+    nbytes = rows * width * 4
+    # Room for the rows and one clock's updates: while worker 1 has not
+    # clocked, worker 0's second clock finds no memory for its update.
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        max_table_bytes=2 * nbytes, shared_memory=False))
+    with cluster.client(0, timeout=20) as w0, \
+            cluster.client(1, timeout=20) as w1:
+        init = np.arange(rows * width, dtype=np.float32).reshape(rows, width)
+        t0 = w0.create_table("t", rows, width, init=init)
+        t1 = w1.create_table("t", rows, width)
+        cache = DeviceParameterCache(w0)
+        deltas = [np.full((rows, width), v, np.float32) for v in (1, 10, 100)]
+        cache.update(t0, tf.constant(deltas[0]))
+        cache.clock()  # clock 0: taken (held until worker 1 clocks)
+        cache.update(t0, tf.constant(deltas[1]))
+        cache.clock()  # clock 1: refused by the shard, reported later
+        deadline = time.monotonic() + 20
+        while not w0._io.errors and time.monotonic() < deadline:
+            time.sleep(0.01)  # the refusal reaches worker 0's I/O thread
+        assert w0._io.errors, "the shard did not refuse clock 1's update"
+        w1.clock()
+        w1.clock()
+        w1.read(t1)  # the shard is at clock 2: room for an update again
+        cache.update(t0, tf.constant(deltas[2]))
+        with pytest.raises(GeePSError, match="no memory for clock 1"):
+            cache.clock()  # raises the earlier refusal, sends nothing
+        cache.clock()  # the retry sends clock 2's update
+        w1.clock()
+        expected = init + deltas[0] + deltas[2]  # clock 1's was refused
+        np.testing.assert_array_equal(w1.read(t1), expected)
+        np.testing.assert_array_equal(cache.read(t0).numpy(), expected)

@@ -201,7 +201,10 @@ class DeviceParameterCache:
         for entry in self._tables.values():
             if entry.dirty:
                 buffer = ops.pack([entry.log], entry.layout)
-                entry.log.assign(tf.zeros_like(entry.log))
+                # `update` may raise (an error the I/O thread recorded
+                # earlier, a lost shard): the log is zeroed only once the
+                # client took the updates, so a retry still sends them.
                 self.client.update(entry.table, buffer.numpy(), copy=False)
+                entry.log.assign(tf.zeros_like(entry.log))
                 entry.dirty = False
         self.client.clock()
