@@ -192,7 +192,15 @@ def _cuda_runtime(nvcc):
 
 
 def _run(command, cwd):
-    proc = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(command, cwd=cwd, capture_output=True,
+                              text=True)
+    except OSError as exc:  # no such program, not executable, ...
+        raise BuildError(
+            f"keras_geeps: building the custom ops failed: cannot run the "
+            f"compiler {command[0]!r} ({exc.strerror or exc}). Install it or "
+            f"name another: CXX for the C++ compiler (default g++), "
+            f"KERAS_GEEPS_NVCC for nvcc.\n$ {' '.join(command)}") from exc
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout)[-6000:]
         raise BuildError(

@@ -7,6 +7,7 @@ the CUDA build. GPU variants run where TensorFlow sees a GPU (`needs_gpu`).
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -476,6 +477,29 @@ def test_failed_build_fails_import_with_the_reason(tmp_path):
     assert "ImportError" in proc.stderr
     assert "python -m keras_geeps._build --force" in proc.stderr
     assert "$ false " in proc.stderr  # the failing command is shown
+
+
+def test_a_missing_compiler_is_a_build_error_naming_it(tmp_path, monkeypatch,
+                                                       capsys):
+    """No compiler at $CXX: BuildError (what `ops._load` and the build-ops
+    command catch), not FileNotFoundError; nothing is compiled."""
+    missing = str(tmp_path / "no-such-g++")
+    monkeypatch.setenv("CXX", missing)
+    monkeypatch.setenv("KERAS_GEEPS_OPS_DIR", str(tmp_path / "ops"))
+    monkeypatch.setenv("KERAS_GEEPS_CUDA", "0")
+    with pytest.raises(_build.BuildError,
+                       match=re.escape(f"cannot run the compiler "
+                                       f"'{missing}'")):
+        _build.build(force=True)
+    assert _build.main(["--force", "--no-cuda"]) == 1
+    assert f"cannot run the compiler '{missing}'" in capsys.readouterr().err
+    # the staging folder is gone; only the lock file stays
+    assert [p.suffix for p in (tmp_path / "ops").iterdir()] == [".lock"]
+    proc = _python("import keras_geeps.ops",
+                   {"KERAS_GEEPS_OPS_DIR": str(tmp_path / "ops"),
+                    "CXX": missing, "KERAS_GEEPS_CUDA": "0"})
+    assert "ImportError" in proc.stderr, proc.stderr[-3000:]
+    assert f"cannot run the compiler '{missing}'" in proc.stderr
 
 
 @pytest.mark.skipif(_build.find_nvcc() is None, reason="no nvcc")
