@@ -20,13 +20,18 @@ step behind the shards, so the same function makes Keras catch them up
 wherever user code can see them between steps: `CallbackList`'s dispatch
 (before epoch / train end, evaluate / predict begin, and around train
 batches when a callback reads weights there), after `train_on_batch`, and
-in `finalize_variable_values` (the end of `fit`). `install_fit_hooks`
-has the strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an
-epoch's logs by their mean over the workers before epoch-end callbacks,
-and the final sync run before train-end callbacks.
+in `finalize_variable_values` (the end of `fit`; under `use_ema` that
+makes the workers' mean moving averages the weights everywhere,
+`ParameterSync.finalize_moving_average`). `install_fit_hooks` has the
+strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an epoch's logs
+by their mean over the workers before epoch-end callbacks, the final sync
+run before train-end callbacks, and an exception raised in a step's pull or
+push come out of `fit`, `evaluate`, `predict` and `*_on_batch` as itself
+rather than as the `tf.errors.UnknownError` `tf.py_function` makes of it.
 """
 
 import contextlib
+import copy
 import functools
 import inspect
 import threading
@@ -36,6 +41,7 @@ import keras
 
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
+from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 
@@ -92,6 +98,13 @@ def in_xla_context():
 # ------------------------------------------------- optimizer update capture
 _current = threading.local()
 _syncs = weakref.WeakSet()  # ParameterSyncs that may hold captured layers
+_all_syncs = weakref.WeakSet()  # every open ParameterSync
+
+
+def track_sync(sync):
+    """Registers a new `ParameterSync`: Keras' end of `fit` and its errors
+    are handled through it (`install_fit_hooks`)."""
+    _all_syncs.add(sync)
 
 
 @contextlib.contextmanager
@@ -136,6 +149,7 @@ def install_update_capture(sync):
 def release_sync(sync):
     """Stops catching up `sync`'s variables (its client is closing)."""
     _syncs.discard(sync)
+    _all_syncs.discard(sync)
 
 
 def catch_up(variables):
@@ -168,6 +182,13 @@ def _install_catch_ups():
 
     @functools.wraps(finalize)
     def finalize_variable_values(self, var_list):
+        if getattr(self, "use_ema", False):
+            # The moving averages become the weights on every worker and
+            # in the shards (`ParameterSync.finalize_moving_average`).
+            for active in list(_all_syncs):
+                if active.finalize_moving_average(
+                        var_list, lambda: finalize(self, var_list)):
+                    return
         finalize(self, var_list)
         catch_up(var_list)
 
@@ -221,8 +242,10 @@ def install_fit_hooks():
 
     Both wrap the catch-ups of captured updates (`_install_catch_ups`,
     installed here first), so the order is the same whichever strategy
-    came first: average, sync, catch up, then the callbacks. Idempotent;
-    installed by every `GeePSStrategy`, whatever its options.
+    came first: average, sync, catch up, then the callbacks. And Keras'
+    `fit`, `evaluate`, `predict` and `*_on_batch` re-raise what a sync's
+    op raised (`_install_reraise`). Idempotent; installed by every
+    `GeePSStrategy`, whatever its options.
     """
     from keras_geeps.keras.callbacks import (  # noqa: PLC0415
         ParameterServerCallback)
@@ -251,7 +274,61 @@ def install_fit_hooks():
 
     callback_list.on_epoch_end = averaged
     callback_list.on_train_end = synced_first
+    _install_reraise()
     callback_list._geeps_fit_hooks_installed = True
+
+
+# Keras methods that run compiled steps: an exception our pull / push ops
+# raise inside one comes out of them as TensorFlow's error.
+_RUNS_STEPS = ("fit", "evaluate", "predict", "train_on_batch",
+               "test_on_batch", "predict_on_batch")
+
+
+def _install_reraise():
+    """Patches Keras' `fit`, `evaluate`, `predict` and `*_on_batch` so that
+    an exception raised in a sync's pull or push op (a `tf.py_function`,
+    which hands TensorFlow only its message: `tf.errors.UnknownError`)
+    comes out as itself, with its class (`GeePSTimeoutError`,
+    `GeePSWorkerFailedError`, ...), chained to TensorFlow's error.
+    Idempotent."""
+    for name in _RUNS_STEPS:
+        owner = next(k for k in keras.Model.__mro__ if name in k.__dict__)
+        original = owner.__dict__[name]
+        if getattr(original, "_geeps_reraises", False):
+            continue
+
+        @functools.wraps(original)
+        def reraising(self, *args, _original=original, **kwargs):
+            try:
+                return _original(self, *args, **kwargs)
+            except tf_errors.OpError as error:
+                failure = _take_failure(error)
+                if failure is None:
+                    raise
+                raise _copy(failure) from error
+
+        reraising._geeps_reraises = True
+        setattr(owner, name, reraising)
+
+
+def _copy(failure):
+    """A copy of `failure` with its traceback (the client may keep and
+    raise the original again: it must not take on this call's cause)."""
+    try:
+        fresh = copy.copy(failure)
+    except Exception:  # an exception class copy cannot rebuild
+        return failure
+    return fresh.with_traceback(failure.__traceback__)
+
+
+def _take_failure(error):
+    """The exception a sync's op raised that `error` reports, or None."""
+    message = getattr(error, "message", None) or str(error)
+    for active in list(_all_syncs):
+        failure = active.take_failure(message)
+        if failure is not None:
+            return failure
+    return None
 
 
 def _observes_batches(callback_list, reads_weights_per_batch):

@@ -12,7 +12,10 @@ class ParameterServerCallback(keras.callbacks.Callback):
     shards), `ps_data_age` (clocks reflected by the parameters last read)
     and `ps_step_ms` (time in pulls and pushes per step). At the end of
     training it pulls the final parameters, so every worker ends with the
-    same trainable weights; and it turns XLA off (XLA cannot run the sync).
+    same trainable weights (under `use_ema` the moving averages, already
+    written everywhere when `fit` finalized the optimizer: see
+    `ParameterSync.finalize_moving_average`); and it turns XLA off (XLA
+    cannot run the sync).
 
     Args:
         strategy: the `GeePSStrategy`.

@@ -33,7 +33,11 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
     `fit` the strategy's `callbacks()` so that every epoch reports its
     parameter-server figures and every worker ends with the same trainable
     weights (non-trainable state, e.g. BatchNorm statistics, and optimizer
-    state stay each worker's own).
+    state stay each worker's own; under `use_ema` the workers' mean moving
+    averages). An error of a step's pull or push (`GeePSTimeoutError`,
+    `GeePSWorkerFailedError`, ...) comes out of `fit`, `evaluate`,
+    `predict` and `*_on_batch` as itself, not as TensorFlow's
+    `UnknownError`.
 
     Example:
 
@@ -154,7 +158,10 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         Every worker takes every N-th element (batch), and all take the same
         number of them, so every worker runs the same number of steps (BSP
         needs that; a worker with one step more would wait for the others
-        until the timeout).
+        until the timeout). That needs the dataset's length: one that
+        TensorFlow cannot count (after `filter`, from `from_generator`, ...)
+        is refused, unless it is infinite (`repeat()`; `fit` then needs
+        `steps_per_epoch`, which every worker runs).
 
         Args:
             dataset: a `tf.data.Dataset`, usually already batched.
@@ -163,10 +170,29 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
 
         Returns:
             The worker's `tf.data.Dataset`.
+
+        Raises:
+            ValueError: the dataset's length is unknown
+                (`dataset.cardinality()` is `tf.data.UNKNOWN_CARDINALITY`).
+                Declare it with `dataset.apply(
+                tf.data.experimental.assert_cardinality(n))` (n elements in
+                all, before sharding), or `repeat()` the dataset and pass
+                `steps_per_epoch` to `fit`.
         """
         if not shard or self.num_workers == 1:
             return dataset
         count = int(dataset.cardinality())
+        if count == int(tf.data.UNKNOWN_CARDINALITY):
+            raise ValueError(
+                "distribute_dataset: TensorFlow cannot tell how many "
+                "elements (batches) this dataset has (its cardinality is "
+                "unknown, e.g. after filter() or from from_generator()), so "
+                "the workers' shards cannot be cut to the same number of "
+                "steps; a worker with a step more would wait for the others "
+                "until the timeout. Declare the length: "
+                "dataset.apply(tf.data.experimental.assert_cardinality(n)) "
+                "with n the elements in all, before distribute_dataset; or "
+                "repeat() the dataset and pass steps_per_epoch to fit")
         shard_ds = dataset.shard(self.num_workers, self.worker_id)
         if count >= 0:
             shard_ds = shard_ds.take(count // self.num_workers)

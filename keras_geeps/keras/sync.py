@@ -205,6 +205,10 @@ class ParameterSync:
         self.push_seconds = 0.0
         self.steps = 0             # steps pushed
         self.max_staleness = 0     # most clocks a read lagged its clock
+        # What the pull / push ops raised: tf.py_function hands TensorFlow
+        # only the message, so `_tf_hooks` re-raises these (take_failure).
+        self._failures = []
+        _tf_hooks.track_sync(self)
 
     @property
     def built(self):
@@ -471,9 +475,35 @@ class ParameterSync:
         return snapshot
 
     def _pull_all_op(self):
-        for index in range(len(self.tables)):
-            self.pull(index)
+        try:
+            for index in range(len(self.tables)):
+                self.pull(index)
+        except Exception as exc:
+            self._keep_failure(exc)
+            raise
         return True
+
+    def _keep_failure(self, exc):
+        """Keeps what a pull or push op raised: TensorFlow turns it into a
+        `tf.errors.UnknownError` holding only its message."""
+        failures = self._failures
+        failures.append(exc)
+        del failures[:-4]  # (the last few: one per op of a failed step)
+
+    def take_failure(self, message):
+        """The exception a pull or push op raised that TensorFlow reported
+        as an error with `message`, or None; forgets every kept one.
+
+        Keras' `fit`, `evaluate`, `predict` and `*_on_batch` re-raise it
+        in place of TensorFlow's error (`_tf_hooks`), so that a
+        `GeePSTimeoutError` or `GeePSWorkerFailedError` keeps its class.
+        """
+        failures, self._failures = self._failures, []
+        for failure in reversed(failures):
+            text = str(failure)
+            if text and text in message:
+                return failure
+        return None
 
     def _own_view(self, layer, current, values):
         """The variables' values once their own last update counts as the
@@ -490,13 +520,18 @@ class ParameterSync:
 
     def _push_op(self, indices, signs, count_step, *tensors):
         position = 0
-        for index in indices:
-            update = None
-            if signs and index in signs:
-                count = len(signs[index])
-                update = (tensors[position:position + count], signs[index])
-                position += count
-            self._send(index, update=update)
+        try:
+            for index in indices:
+                update = None
+                if signs and index in signs:
+                    count = len(signs[index])
+                    update = (tensors[position:position + count],
+                              signs[index])
+                    position += count
+                self._send(index, update=update)
+        except Exception as exc:
+            self._keep_failure(exc)
+            raise
         if count_step:  # one push op per step does
             self.steps += 1
         return True
@@ -541,12 +576,14 @@ class ParameterSync:
         if index == 0:
             self.steps += 1
 
-    def _send(self, index, values=None, update=None):
+    def _send(self, index, values=None, update=None, scale=None):
         """Pushes and clocks table `index`: `update` is (tensors, signs),
         the optimizer's update of each variable, captured instead of
         applied (the update is `sign * tensor`); None measures it as the
-        values minus the pulled snapshot."""
+        values minus the pulled snapshot. `scale` replaces the update
+        mode's factor (a measured update only)."""
         started = time.perf_counter()
+        scale = self.scale if scale is None else scale
         layer = self.tables[index]
         table = layer.table
         if update is None and layer.snapshot is None:
@@ -561,13 +598,13 @@ class ParameterSync:
             ops.pack_delta_into(layer.variables, layer.layout,
                                 layer.snapshot,
                                 as_tensor(target.reshape(-1), table.dtype),
-                                scale=self.scale)
+                                scale=scale)
             rows = target
         else:
             delta = ops.pack(layer.variables if values is None else values,
                              layer.layout, snapshot=layer.snapshot)
-            if self.scale != 1.0:
-                delta = delta * tf.constant(self.scale, delta.dtype)
+            if scale != 1.0:
+                delta = delta * tf.constant(scale, delta.dtype)
             rows = as_host_array(delta).reshape(table.rows, table.width)
         with self.lock:
             self.client.update(table, rows, copy=False)
@@ -598,6 +635,47 @@ class ParameterSync:
         ops.pack_tensors_into(tensors, layer.layout,
                               as_tensor(rows.reshape(-1), dtype), scales)
         return rows
+
+    def finalize_moving_average(self, variables, overwrite):
+        """Ends training with the optimizer's moving averages (`use_ema`)
+        as the weights, the same on every worker and in the shards.
+
+        Each worker keeps its own averages (optimizer state is local), of
+        its variables after its own update: under BSP "average" their mean
+        over the workers is the moving average of the shards' values, what
+        one worker with the combined batch keeps. So every table among
+        `variables` is brought to every worker's last clock, `overwrite()`
+        writes this worker's averages into the variables, each worker
+        pushes `(its average - rows) / num_workers` (whatever the update
+        mode) and clocks once more, and the tables are pulled again: every
+        worker then holds the workers' mean average, as do the shards (a
+        later `fit` goes on from it, as Keras' would). Collective: every
+        worker's `fit` ends here (`Optimizer.finalize_variable_values`,
+        patched in `_tf_hooks`).
+
+        Args:
+            variables: the weights being finalized (tf.Variables or
+                keras.Variables).
+            overwrite: writes this worker's averages into them.
+
+        Returns:
+            False, having done nothing, when no table holds any of
+            `variables`; else True.
+        """
+        wanted = {id(v._value if isinstance(v, keras.Variable) else v)
+                  for v in variables}
+        indices = [i for i, layer in enumerate(self.tables)
+                   if any(id(v) in wanted for v in layer.variables)]
+        if not indices:
+            return False
+        for index in indices:
+            self.pull(index, full=True)
+        overwrite()
+        for index in reversed(indices):
+            self._send(index, scale=1.0 / self.client.num_workers)
+        for index in indices:
+            self.pull(index, full=True)
+        return True
 
     def pull_all(self, full=False):
         """Eagerly pulls every table (`full`: wait for every worker's last

@@ -9,3 +9,17 @@ def regression_data(rows):
     x = rng.standard_normal((rows, 5)).astype(np.float32)
     y = rng.standard_normal((rows, 2)).astype(np.float32)
     return x, y
+
+
+def small_model(strategy):
+    """A seeded 5 -> 3 -> 2 Dense model (layers "a", "b"), SGD(0.1) on
+    mse, built and compiled in `strategy`'s scope, without XLA."""
+    import keras  # noqa: PLC0415 (TensorFlow's backend is set by then)
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)),
+                                  keras.layers.Dense(3, name="a"),
+                                  keras.layers.Dense(2, name="b")])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+    return model

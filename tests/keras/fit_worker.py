@@ -34,9 +34,11 @@ def build_model():
     ])
 
 
-def compile_model(model, optimizer, lr, steps_per_execution):
-    opt = (keras.optimizers.SGD(lr) if optimizer == "sgd"
-           else keras.optimizers.Adam(lr))
+def compile_model(model, optimizer, lr, steps_per_execution, ema=False):
+    # (use_ema: moving averages of momentum 0.8, the weights after fit)
+    kwargs = {"use_ema": True, "ema_momentum": 0.8} if ema else {}
+    opt = (keras.optimizers.SGD(lr, **kwargs) if optimizer == "sgd"
+           else keras.optimizers.Adam(lr, **kwargs))
     model.compile(optimizer=opt, jit_compile=False,
                   loss=keras.losses.SparseCategoricalCrossentropy(
                       from_logits=True),
@@ -84,6 +86,8 @@ def main():
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--steps-per-execution", type=int, default=1)
+    parser.add_argument("--ema", action="store_true",
+                        help="the optimizer keeps moving averages (use_ema)")
     parser.add_argument("--max-steps", type=int, default=0)
     parser.add_argument("--validate", action="store_true")
     parser.add_argument("--val-per-worker", action="store_true",
@@ -114,7 +118,7 @@ def main():
     with strategy.scope():
         model = build_model()
         compile_model(model, args.optimizer, args.lr,
-                      args.steps_per_execution)
+                      args.steps_per_execution, ema=args.ema)
     callbacks = strategy.callbacks()
     if w == args.die_worker:
         callbacks.append(DieAt(3))

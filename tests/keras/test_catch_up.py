@@ -18,7 +18,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
-from tests.keras import regression_data  # noqa: E402
+from tests.keras import regression_data, small_model  # noqa: E402
 
 STEPS, BATCH, EPOCHS = 4, 4, 2
 
@@ -26,14 +26,7 @@ STEPS, BATCH, EPOCHS = 4, 4, 2
 def _strategy(thread_cluster):
     cluster = thread_cluster(1, 1)
     strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((5,)),
-                                  keras.layers.Dense(3, name="a"),
-                                  keras.layers.Dense(2, name="b")])
-        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      jit_compile=False)
-    return strategy, model
+    return strategy, small_model(strategy)
 
 
 def _rows(strategy):

@@ -29,7 +29,7 @@ def _run(tmp_path, *args, workers=2, shards=2, expect=0):
     return results
 
 
-def _reference_weights(batch, steps, lr):
+def _reference_weights(batch, steps, lr, ema=False):
     """One process, plain Keras, the combined batch (2 x batch)."""
     import keras  # noqa: PLC0415
     import tensorflow as tf  # noqa: PLC0415
@@ -39,7 +39,7 @@ def _reference_weights(batch, steps, lr):
     x, y = fit_worker.digits()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * batch)
     model = fit_worker.build_model()
-    fit_worker.compile_model(model, "sgd", lr, 1)
+    fit_worker.compile_model(model, "sgd", lr, 1, ema=ema)
     model.fit(ds.take(steps), epochs=1, verbose=0)
     return model.get_weights()
 
@@ -67,6 +67,29 @@ def test_bsp_sgd_equals_one_process_with_combined_batch(tmp_path, monkeypatch,
     assert moved > 0.01  # training really changed the weights
     for ours, ref in zip(w0, reference):
         np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=2e-5)
+
+
+def test_use_ema_ends_with_the_mean_moving_average_on_every_worker(
+        tmp_path):
+    """Each worker's optimizer keeps moving averages of its own variables
+    (its update on the pulled values); under BSP "average" their mean is
+    the moving average one process keeps with the combined batch. After
+    fit every worker holds that mean (not the shards' last values, which
+    the final sync used to pull back over the averages)."""
+    steps, batch, lr = 12, 16, 0.2
+    results = _run(tmp_path, "--batch", str(batch), "--lr", str(lr),
+                   "--max-steps", str(steps), "--ema")
+    (w0, r0), (w1, r1) = results
+    for a, b in zip(w0, w1):  # identical on every worker
+        np.testing.assert_array_equal(a, b)
+    reference = _reference_weights(batch, steps, lr, ema=True)
+    raw = _reference_weights(batch, steps, lr)
+    assert max(float(np.abs(a - b).max()) for a, b in
+               zip(reference, raw)) > 0.01  # the averages are not the last
+    for ours, ref in zip(w0, reference):
+        np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=2e-5)
+    # The averages reached the shards with one clock more.
+    assert r0["stats"]["clock"] == r1["stats"]["clock"] == steps + 1
 
 
 @pytest.mark.parametrize("slack", [1, 2, 1000])

@@ -1,0 +1,96 @@
+"""`use_ema=True`: after `fit` the model holds the moving averages, as in
+plain Keras, and so do the shards (real shards, real TensorFlow).
+
+Keras' `fit` ends by writing the optimizer's moving averages into the
+weights (`finalize_variable_values`); the final sync that follows must not
+pull the shards' raw values back over them. The 2-worker case (every
+worker ends with the workers' mean average, which under BSP is what one
+worker with the combined batch keeps) is in test_fit_multiprocess.py.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+keras = pytest.importorskip("keras")
+
+from keras_geeps.keras import GeePSStrategy  # noqa: E402
+from tests.keras import regression_data  # noqa: E402
+
+STEPS, BATCH, EPOCHS = 4, 4, 2
+
+
+def _compiled(use_ema):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)),
+                              keras.layers.Dense(3, name="a"),
+                              keras.layers.Dense(2, name="b")])
+    model.compile(optimizer=keras.optimizers.SGD(
+        0.1, use_ema=use_ema, ema_momentum=0.8), loss="mse",
+        jit_compile=False)
+    return model
+
+
+def _fit(model, callbacks=None, epochs=EPOCHS):
+    x, y = regression_data(STEPS * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False,
+              verbose=0, callbacks=callbacks)
+    return model.evaluate(x, y, batch_size=BATCH, verbose=0)
+
+
+def _weights(model):
+    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
+
+
+def _rows(strategy):
+    return np.concatenate([strategy.client.read(layer.table).reshape(-1)
+                           for layer in strategy.parameter_sync.tables])
+
+
+def test_fit_ends_with_the_moving_averages_as_plain_keras(thread_cluster):
+    reference = _compiled(use_ema=True)  # plain Keras, no strategy
+    reference_loss = _fit(reference)
+    raw = _compiled(use_ema=False)
+    _fit(raw)
+    # The averages are far enough from the last values to tell apart.
+    assert np.abs(_weights(reference) - _weights(raw)).max() > 1e-2
+
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+    try:
+        with strategy.scope():
+            model = _compiled(use_ema=True)
+        loss = _fit(model, strategy.callbacks())
+        np.testing.assert_allclose(_weights(model), _weights(reference),
+                                   rtol=1e-5, atol=1e-6)
+        assert loss == pytest.approx(reference_loss, rel=1e-5)
+        # The shards hold them too: the job ends consistent.
+        np.testing.assert_array_equal(_rows(strategy), _weights(model))
+        # A later fit goes on from them, as Keras' does.
+        _fit(reference, epochs=1)
+        _fit(model, strategy.callbacks(), epochs=1)
+        np.testing.assert_allclose(_weights(model), _weights(reference),
+                                   rtol=1e-5, atol=1e-6)
+    finally:
+        strategy.close()
+
+
+def test_without_the_strategys_callbacks_too(thread_cluster):
+    """The averages are written at `finalize_variable_values`, which
+    Keras' `fit` calls whatever the callbacks."""
+    reference = _compiled(use_ema=True)
+    _fit(reference)
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20),
+                             capture_updates=False)
+    try:
+        with strategy.scope():
+            model = _compiled(use_ema=True)
+        _fit(model)
+        np.testing.assert_allclose(_weights(model), _weights(reference),
+                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(_rows(strategy), _weights(model))
+    finally:
+        strategy.close()

@@ -1,0 +1,151 @@
+"""What `fit` raises when the parameter server fails, and the datasets
+`distribute_dataset` refuses. Real shards on 127.0.0.1, real TensorFlow.
+
+The pulls and pushes run inside the compiled step as `tf.py_function`s,
+which hand TensorFlow only an exception's message: without keras_geeps'
+re-raise a `GeePSTimeoutError` or `GeePSWorkerFailedError` would come out
+of `fit` as `tf.errors.UnknownError`.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+keras = pytest.importorskip("keras")
+import tensorflow as tf  # noqa: E402
+
+from keras_geeps.errors import (GeePSTimeoutError,  # noqa: E402
+                                GeePSWorkerFailedError)
+from keras_geeps.keras import GeePSStrategy  # noqa: E402
+from keras_geeps.shard import ShardSettings  # noqa: E402
+from tests.keras import regression_data, small_model  # noqa: E402
+
+BATCH = 4
+
+
+def _from_a_step(excinfo):
+    """The GeePS error came out of a step's op, through TensorFlow."""
+    assert isinstance(excinfo.value.__cause__, tf.errors.OpError)
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_a_pull_timing_out_inside_fit_raises_geeps_timeout_error(
+        thread_cluster, capture):
+    # Worker 1 never comes: worker 0's second step waits for its clock.
+    cluster = thread_cluster(1, 2)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=1.5),
+                             capture_updates=capture)
+    try:
+        model = small_model(strategy)
+        x, y = regression_data(4 * BATCH)
+        with pytest.raises(GeePSTimeoutError,
+                           match="workers \\[1\\]") as excinfo:
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                      verbose=0, callbacks=strategy.callbacks())
+        _from_a_step(excinfo)
+        assert strategy.parameter_sync.steps == 1
+        # evaluate waits for the same clock: the same class. (With
+        # captured updates, in the catch-up before its first step.)
+        with pytest.raises(GeePSTimeoutError) as excinfo:
+            model.evaluate(x, y, batch_size=BATCH, verbose=0)
+        if not capture:
+            _from_a_step(excinfo)
+    finally:
+        strategy.close()
+
+
+def test_a_worker_declared_dead_inside_fit_raises_geeps_worker_failed(
+        thread_cluster):
+    cluster = thread_cluster(1, 2, settings=ShardSettings(worker_timeout=3))
+    strategy = GeePSStrategy(
+        client=cluster.client(0, timeout=60, heartbeat_interval=0.2),
+        capture_updates=False, average_epoch_logs=False)
+    stalled = None
+    try:
+        model = small_model(strategy)
+        x, y = regression_data(4 * BATCH)
+        # One step alone (tables built, clock 1): it waits for no one.
+        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
+        # Worker 1 says HELLO, then falls silent: declared dead 3 s later,
+        # while worker 0's next pull waits for its clock.
+        stalled = cluster.client(1, timeout=60, heartbeat_interval=3600)
+        with pytest.raises(GeePSWorkerFailedError,
+                           match="worker 1") as excinfo:
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                      verbose=0)
+        _from_a_step(excinfo)
+    finally:
+        strategy.close()
+        if stalled is not None:
+            stalled.close()
+
+
+def test_train_on_batch_raises_the_geeps_error_too(thread_cluster):
+    cluster = thread_cluster(1, 2)
+    # (Captured updates would have train_on_batch wait for worker 1's
+    # clock at its end, in the catch-up, not in the step.)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=1.5),
+                             capture_updates=False)
+    try:
+        model = small_model(strategy)
+        x, y = regression_data(BATCH)
+        model.train_on_batch(x, y)  # clock 0: waits for no one
+        with pytest.raises(GeePSTimeoutError) as excinfo:
+            model.train_on_batch(x, y)
+        _from_a_step(excinfo)
+    finally:
+        strategy.close()
+
+
+# ------------------------------------------------------ distribute_dataset
+def _strategies(thread_cluster):
+    cluster = thread_cluster(1, 2)
+    return [GeePSStrategy(client=cluster.client(w, timeout=20))
+            for w in range(2)]
+
+
+def _length(dataset):
+    return sum(1 for _ in dataset)
+
+
+def test_a_dataset_of_unknown_length_is_refused_with_the_remedy(
+        thread_cluster):
+    strategies = _strategies(thread_cluster)
+    try:
+        # 5 even numbers, but tf.data cannot count through filter: the
+        # shards would be 3 and 2 batches, and worker 0 would wait at its
+        # third step for worker 1 until the timeout.
+        evens = tf.data.Dataset.range(10).filter(lambda v: v % 2 == 0)
+        assert int(evens.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+        for strategy in strategies:
+            with pytest.raises(ValueError, match="cardinality is unknown.*"
+                               "assert_cardinality.*steps_per_epoch"):
+                strategy.distribute_dataset(evens)
+        # Declared, it is cut to the same number of steps on every worker.
+        counted = evens.apply(tf.data.experimental.assert_cardinality(5))
+        assert [_length(s.distribute_dataset(counted))
+                for s in strategies] == [2, 2]
+        # Repeated (infinite, for fit's steps_per_epoch): shard only.
+        endless = strategies[1].distribute_dataset(evens.repeat())
+        assert list(endless.take(4).as_numpy_iterator()) == [2, 6, 0, 4]
+        # Already split per worker, or one worker: nothing to even out.
+        assert strategies[0].distribute_dataset(evens, shard=False) is evens
+    finally:
+        for strategy in strategies:
+            strategy.close()
+
+
+def test_a_dataset_of_known_length_is_evened_out(thread_cluster):
+    strategies = _strategies(thread_cluster)
+    try:
+        batches = tf.data.Dataset.range(10).batch(2)  # 5 batches
+        shards = [list(s.distribute_dataset(batches).as_numpy_iterator())
+                  for s in strategies]
+        assert [len(s) for s in shards] == [2, 2]
+        np.testing.assert_array_equal(np.concatenate(shards[0] + shards[1]),
+                                      [0, 1, 4, 5, 2, 3, 6, 7])
+    finally:
+        for strategy in strategies:
+            strategy.close()
