@@ -459,3 +459,33 @@ def test_shards_checkpointing_at_different_intervals_are_refused(tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_shard_that_welcomed_hears_heartbeats_while_another_is_late():
+    """A worker waits for every shard's WELCOME (one may still be loading a
+    large checkpoint); a shard that already welcomed it gets heartbeats
+    meanwhile and does not count it dead."""
+    from keras_geeps.shard import ShardServer, ShardSettings  # noqa: PLC0415
+    early = ShardServer("tcp://127.0.0.1:0", 0, 2, 1, ShardSettings(
+        worker_timeout=1.0, shared_memory=False)).start()
+    with socket.socket() as probe:  # a free port for the late shard
+        probe.bind(("127.0.0.1", 0))
+        late_address = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    late = []
+    starter = threading.Timer(3.0, lambda: late.append(ShardServer(
+        late_address, 1, 2, 1, ShardSettings(shared_memory=False)).start()))
+    starter.start()
+    try:
+        with GeePSClient(ClusterSpec([early.address, late_address], 1, 0),
+                         timeout=20, shared_memory=False,
+                         heartbeat_interval=0.2) as client:
+            table = client.create_table("t", 8, 4)
+            client.update(table, np.ones((8, 4), np.float32))
+            client.clock()
+            np.testing.assert_array_equal(client.read(table, clock=1), 1.0)
+        assert early.snapshot_stats()["dead_workers"] == []
+    finally:
+        starter.join()
+        early.stop()
+        for server in late:
+            server.stop()

@@ -337,12 +337,16 @@ class GeePSClient:
         if shared_memory is None:
             shared_memory = shm.enabled_by_env() and shm.supported()
         self._arena = shm.Arena() if shared_memory else None
+        # Heartbeats start with each shard's WELCOME: a shard that waits
+        # for another to answer (one still loading its checkpoint) must not
+        # count this worker dead meanwhile.
         self._io = IOThread(self.cluster.shards, self._on_rows,
                             on_error=self._on_error_code,
                             on_broken=self._on_link_broken,
                             worker_id=self.worker_id, curve=self._curve,
                             name=f"geeps-io-w{self.worker_id}",
-                            on_turn=self._on_io_turn)
+                            on_turn=self._on_io_turn,
+                            heartbeat_interval=heartbeat_interval)
         self._incarnation = int.from_bytes(os.urandom(6), "little")
         welcomes = self._request_all([
             (shard, self._hello_message())
@@ -359,7 +363,6 @@ class GeePSClient:
                 f"(--checkpoint-every {every}, shard by shard): start them "
                 f"all with the same one")
         self._keep_log = every[0] > 0
-        self._io.heartbeat_interval = heartbeat_interval
         # A worker may run at most max_pending_clocks ahead of the global
         # clock (the shards bound their per-clock buffers): a larger slack
         # ("async") is capped there.
@@ -587,8 +590,9 @@ class GeePSClient:
                 raise self._closed_error()
             if self._io.errors:
                 raise self._io.errors.popleft()
-            if self._io.failed is not None:  # no reply can come any more
-                raise self._io.failed.with_traceback(None)
+            for failed in (self._job_failed, self._io.failed):
+                if failed is not None:  # no reply can come any more
+                    raise failed.with_traceback(None)
             if future.shard in self._lost:  # (its error went to another)
                 raise GeePSError(self._lost[future.shard])
             if time.monotonic() >= deadline:
@@ -931,11 +935,7 @@ class GeePSClient:
         if future is not None:
             future.set(error=error)
         elif code == protocol.ERROR_WORKER_DEAD:
-            # For good: every later call raises it. (A stopped job's shards
-            # refuse each heartbeat too: the first is kept, not each.)
-            if self._job_failed is None:
-                self._job_failed = error
-                self._io.heartbeat_interval = 0  # nothing to keep alive
+            self._stop_job(error)
         else:
             self._io.errors.append(error)
         with self._cond:
@@ -968,6 +968,37 @@ class GeePSClient:
         self._io.errors.append(error)
         with self._cond:
             self._cond.notify_all()
+
+    def _stop_job(self, error):
+        """This worker was declared dead, or the job stopped (I/O thread):
+        for good, every later call raises `error` (the first one kept: a
+        stopped job's shards refuse each heartbeat too), and nothing is
+        kept alive."""
+        if self._job_failed is None:
+            self._job_failed = error
+            self._io.heartbeat_interval = 0
+        with self._cond:
+            self._cond.notify_all()
+
+    def _recovery_failed(self, shard, error):
+        """A recovery of `shard` that cannot finish (I/O thread): for good.
+        A shard that says this worker is dead (or the job stopped) stops
+        the job here too; anything else loses the shard, naming why: every
+        later call raises it, none waits for its timeout."""
+        if isinstance(error, GeePSWorkerFailedError):
+            self._stop_job(error)
+        else:
+            self._lose(shard, f"recovering shard {shard} "
+                              f"({self.cluster.shards[shard]}) failed: "
+                              f"{error}")
+
+    def _failing_recovery(self, shard):
+        """A future callback that fails `shard`'s recovery on an error."""
+        def on_reply(message, error):
+            del message
+            if error is not None:
+                self._recovery_failed(shard, error)
+        return on_reply
 
     def _recover(self, shard, again=False):
         """A shard that refused this worker (or lost its messages): HELLO
@@ -1021,9 +1052,7 @@ class GeePSClient:
                 return  # an attempt given up (the shard restarted again)
             attempt.answered = True
             if error is not None:  # this worker cannot rejoin: for good
-                self._lost[shard] = (f"recovering shard {shard} ({address}) "
-                                     f"failed: {error}")
-                self._fail(error)
+                self._recovery_failed(shard, error)
                 return
             known = self._shard_incarnations.get(shard)
             if known is not None and message.meta.get("incarnation") == known:
@@ -1074,7 +1103,7 @@ class GeePSClient:
         resent = self._io.resend_unacknowledged(shard)
         declared = self._finished_futures.setdefault(shard, [])
         for table, part in parts:
-            declared.append(Future(self._fail_on_error))
+            declared.append(Future(self._failing_recovery(shard)))
             self._io.send_now(shard, self._declare_message(shard, table, part),
                               declared[-1])
         self._io.release(shard, lambda: self._next_seq(shard))
@@ -1100,7 +1129,8 @@ class GeePSClient:
                 self._redeclare(shard, table, part, attempt)
             else:
                 self._io.send_now(shard, self._declare_message(
-                    shard, table, part), attempt.future(self._fail_on_error))
+                    shard, table, part), attempt.future(
+                        self._failing_recovery(shard)))
         if not self._recovering[shard]:
             self._finish_recovery(shard)
         self.reconnects += 1
@@ -1135,7 +1165,7 @@ class GeePSClient:
             if self._attempts.get(shard) is not attempt:
                 return
             if error is not None:
-                self._fail(error)
+                self._recovery_failed(shard, error)
                 return
             if not message.meta.get("ready", True) and \
                     not self._create_again(shard, table, part, attempt):
@@ -1165,8 +1195,8 @@ class GeePSClient:
                           "its initial rows")
             else:
                 return True  # the initializer sends them
-            self._fail(GeePSError(f"shard {shard} restarted without table "
-                                  f"{table.name!r}, {reason}"))
+            self._lose(shard, f"shard {shard} restarted without table "
+                              f"{table.name!r}, {reason}")
             return False
         log.warning("worker %d: shard %d restarted before a checkpoint held "
                     "table %r; creating it again", self.worker_id, shard,
@@ -1175,12 +1205,8 @@ class GeePSClient:
         for message in self._create_messages(table, part, initial):
             message.worker, message.seq = self.worker_id, self._next_seq(shard)
             self._io.send_now(shard, message,
-                              attempt.future(self._fail_on_error))
+                              attempt.future(self._failing_recovery(shard)))
         return True
-
-    def _fail_on_error(self, message, error):
-        if error is not None:
-            self._fail(error)
 
     def _replay(self, shard, table, part, restored_clock):
         _, start, end = table.parts[part]
@@ -1189,11 +1215,11 @@ class GeePSClient:
             missing = [c for c in range(restored_clock, boundary)
                        if c not in table.log]
             if missing:
-                self._fail(GeePSError(
-                    f"cannot recover table {table.name!r} on shard {shard}: "
-                    f"it restarted at clock {restored_clock}, but this "
-                    f"worker no longer holds the updates of clock "
-                    f"{missing[0]}"))
+                self._lose(shard, f"cannot recover table {table.name!r} on "
+                                  f"shard {shard}: it restarted at clock "
+                                  f"{restored_clock}, but this worker no "
+                                  f"longer holds the updates of clock "
+                                  f"{missing[0]}")
                 return
             for clk in range(restored_clock, boundary):
                 buffer = table.log[clk]
@@ -1425,10 +1451,13 @@ class GeePSClient:
             copy: if False and this is the table's first whole-table update
                 of the clock, the client keeps `delta` itself and sends it
                 without copying; the caller must not change it until the
-                shards applied it (a read at a later clock waits for that).
-                Where the client keeps updates longer (the replay log of
-                checkpointing shards, read-my-writes) it keeps a copy, so
-                the caller may then reuse the buffer. Defaults to True.
+                shards applied it (a read at the clock after next waits for
+                that, with slack 0 or 1). Where the client keeps updates
+                longer (the replay log of checkpointing shards,
+                read-my-writes) or a read that soon need not wait for them
+                (slack >= 2: a resend after a broken connection would send
+                what the caller wrote there since), it keeps a copy, so the
+                caller may then reuse the buffer. Defaults to True.
         """
         self._raise_async_errors()
         handle = self.handle_for(what)
@@ -1530,11 +1559,14 @@ class GeePSClient:
 
     def _kept_update(self, table, buffer):
         """`buffer`, or a copy of it where this client keeps the update past
-        this clock (the replay log, read-my-writes) but the caller owns the
-        memory (`update(..., copy=False)`) and may reuse it. The shared
-        buffers `update_target` / `lend_target` gave out are this client's:
-        the log holds them without a copy."""
-        if table.update_owned or not (self._keep_log or table.read_my_writes):
+        this clock (the replay log, read-my-writes, or with slack >= 2
+        until the shards acknowledge it, which a read at the clock after
+        next no longer waits for) but the caller owns the memory
+        (`update(..., copy=False)`) and may reuse it. The shared buffers
+        `update_target` / `lend_target` gave out are this client's: the log
+        holds them without a copy."""
+        if table.update_owned or not (self._keep_log or table.read_my_writes
+                                      or self.slack >= 2):
             return buffer
         for given in (table.upload_target, table.lent_target):
             if given is not None and _same_memory(buffer, given[0]):

@@ -116,8 +116,9 @@ class IOThread:
             WELCOME replaces it.
         worker_id: this worker's id (heartbeats carry it).
         heartbeat_interval: seconds between heartbeats; 0 sends none
-            (set `heartbeat_interval` later to start them, e.g. once the
-            shards have welcomed this worker).
+            (set `heartbeat_interval` later to start them). Each shard gets
+            them once it has welcomed this worker (before, it would answer
+            hello_required), from then on also across its restarts.
         curve: a `keras_geeps.auth.ClientKeys`, or None.
         name: the thread's name.
     """
@@ -142,6 +143,7 @@ class IOThread:
         self._doorbell = self._context.socket(zmq.PUSH)
         self._doorbell.connect(endpoint)
         self._links = {}  # shard -> _SealedLink, after a sealed WELCOME
+        self._welcomed = set()  # shards that welcomed us: heartbeats go
         self._seal_buffers = None  # seal.Buffers of every link
         self._poll_sockets = {}  # socket -> shard, read by the thread
         self._sockets = []
@@ -352,7 +354,7 @@ class IOThread:
                 if self.heartbeat_interval and \
                         time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_interval
-                    for shard in range(len(self._sockets)):
+                    for shard in sorted(self._welcomed):
                         self._heartbeat(shard)
                     self._watch_links()
                 self._tell_broken()
@@ -551,8 +553,10 @@ class IOThread:
 
     def _deliver(self, shard, message, sealed=None):
         kind = message.type
-        if kind == MsgType.WELCOME and "sealed" in message.meta:
-            self._open_link(shard, message.meta["sealed"])
+        if kind == MsgType.WELCOME:
+            self._welcomed.add(shard)
+            if "sealed" in message.meta:
+                self._open_link(shard, message.meta["sealed"])
         if kind in (MsgType.PUSH, MsgType.ROWS):
             self._on_rows(shard, message, sealed)
             return

@@ -257,3 +257,31 @@ def test_a_break_in_a_restart_recovery_loses_nothing(tmp_path, caplog,
         assert stats[0]["reconnects"] >= 1
         assert ("while recovering it from its restart" in caplog.text) == \
             (when == "before")
+
+
+def test_a_zero_copy_update_resent_after_a_break_is_the_one_sent(
+        thread_cluster):
+    """With slack 2 a caller may write into its `copy=False` update buffer
+    again two clocks later (a read then need not wait for that update); if
+    the update was lost on a broken connection meanwhile, the resend must
+    carry what was sent, not what the caller wrote there since."""
+    cluster = thread_cluster(1, 1)
+    link = CuttableLink(_target(cluster.addresses[0]))
+    try:
+        with GeePSClient(ClusterSpec([link.address], 1, 0), timeout=30,
+                         slack=2, shared_memory=False,
+                         heartbeat_interval=0.2) as client:
+            table = client.create_table("t", ROWS, WIDTH)
+            buffer = np.ones((ROWS, WIDTH), np.float32)
+            link.stall()  # clock 0's update and clock vanish on the way
+            client.update(table, buffer, copy=False)
+            client.clock()
+            client.read(table)  # clock 1, slack 2: no wait
+            buffer[:] = 100.0  # the caller's next update, being written
+            link.cut()  # the connection breaks; the worker resends
+            client.clock()
+            client.clock()
+            np.testing.assert_array_equal(client.read(table, clock=3), 1.0)
+            assert client.stats()["reconnects"] >= 1
+    finally:
+        link.close()

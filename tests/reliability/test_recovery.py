@@ -321,6 +321,15 @@ def test_a_restart_without_restore_keeps_the_checkpoint_and_says_so(
                 client.clock()
                 client.read(t)
         assert time.monotonic() - started < 10  # not the 20 s timeout
+        # For good: every later call says so at once too (it once waited
+        # for its timeout, and a read's then blamed a healthy shard).
+        for call in (lambda: client.read(t, clock=1 << 20),
+                     client.shard_stats, client.clock):
+            started = time.monotonic()
+            with pytest.raises(GeePSError,
+                               match="started without --restore"):
+                call()
+            assert time.monotonic() - started < 5
     kept = checkpoint.load(tmp_path, 0, 1, 1)
     assert kept == {}  # the restarted shard's own, empty
     previous = tmp_path / "shard-0-of-1.ckpt.npz.previous"
