@@ -20,9 +20,17 @@ buffering), in first-access order, as GeePS does.
 
 The device then holds at most
     resident tables + non-trainable variables + pool
-    + activations kept on the device
+    + activations kept on the device + tapes kept
 (+ the offloaded activations on their way out: at most three consecutive
-ones), and the plan fits when that is within the budget. Tables are
+ones, as the trainer waits for each before the layer after next), and the
+plan fits when that is within the budget. A "taped" layer (see
+`MemoryPlan.modes`) keeps its forward pass's tape until its backward, and
+the tape keeps tensors of its own (a dropout mask, an activation's
+input): they are estimated at one tensor of the layer's output size each
+(`tape_bytes`). Not covered: a tape keeping more than that (a gelu or a
+normalization keeps several intermediates), and TensorFlow's workspace
+(gradients, kernel scratch, a recomputed layer's tape during its
+backward), which `DeviceLedger` does not count either. Tables are
 staged in first-access order (the first layers' data waits longest between
 its forward and backward use, so its prefetch has the most slack) until
 the rest fits; then, with
@@ -81,8 +89,10 @@ class MemoryPlan:
         activation_device_bytes: saved activations kept on the device (plus
             offloaded ones on their way out).
         activation_host_bytes: saved activations offloaded to host memory.
-        device_bytes: resident + pool + activations on the device, the most
-            the plan holds at once; within the budget.
+        tape_bytes: the estimate of what the taped layers' tapes keep from
+            forward to backward: each one output of the layer.
+        device_bytes: resident + pool + activations on the device + tapes,
+            the most the plan holds at once; within the budget.
         minimum_budget: the smallest budget any plan fits in.
         traffic_bytes: host<->device bytes moved per step.
         prefetch_order: the staged accesses in the order the prefetcher
@@ -98,7 +108,8 @@ class MemoryPlan:
         self.minimum_budget = minimum_budget
         figures = _evaluate(sequence, self.staged, self.offloaded)
         (self.device_bytes, self.pool_bytes, self.peak_working_set,
-         self.resident_bytes, self.activation_device_bytes) = figures
+         self.resident_bytes, self.activation_device_bytes,
+         self.tape_bytes) = figures
         units = sequence.units
         self.fixed_bytes = sequence.fixed_bytes
         self.staged_bytes = sum(u.table_bytes for u, s in
@@ -169,6 +180,7 @@ class MemoryPlan:
             "pool_bytes": self.pool_bytes,
             "activation_device_bytes": self.activation_device_bytes,
             "activation_host_bytes": self.activation_host_bytes,
+            "tape_bytes": self.tape_bytes,
             "device_bytes": self.device_bytes,
             "minimum_budget": self.minimum_budget,
             "traffic_bytes": self.traffic_bytes,
@@ -202,7 +214,8 @@ class MemoryPlan:
                      f" (non-trainable {self.fixed_bytes:,})"
                      f" + pool {self.pool_bytes:,} (2 x peak working set "
                      f"{self.peak_working_set:,}) + activations "
-                     f"{self.activation_device_bytes:,}")
+                     f"{self.activation_device_bytes:,} + tapes "
+                     f"{self.tape_bytes:,}")
         lines.append(f"staged (host) tables {self.staged_bytes:,} B; "
                      f"offloaded activations {self.activation_host_bytes:,} B;"
                      f" traffic {self.traffic_bytes:,} B/step; minimum budget "
@@ -238,7 +251,8 @@ def _working_sets(sequence, staged, offloaded):
 
 
 def _evaluate(sequence, staged, offloaded):
-    """(device total, pool, peak working set, resident, activations)."""
+    """(device total, pool, peak working set, resident, activations,
+    tapes)."""
     units = sequence.units
     peak = max(_working_sets(sequence, staged, offloaded), default=0)
     pool = 2 * peak
@@ -251,7 +265,27 @@ def _evaluate(sequence, staged, offloaded):
     flight = max((sum(moved[i:i + 3]) for i in range(len(moved))),
                  default=0)
     activations = kept + sequence.output_bytes + flight
-    return resident + pool + activations, pool, peak, resident, activations
+    first = _first_with_params(units)
+    tapes = sum(_tape(units, i, staged, offloaded, first)
+                for i in range(len(units)))
+    return (resident + pool + activations + tapes, pool, peak, resident,
+            activations, tapes)
+
+
+def _first_with_params(units):
+    return next((u.index for u in units if u.has_params), len(units))
+
+
+def _tape(units, i, staged, offloaded, first):
+    """The estimate of what unit i's kept tape holds: its output when it
+    is taped (see `_modes`; the trainer keeps no tape before the first
+    layer with parameters, `first`: nothing there needs a gradient),
+    else 0."""
+    u = units[i]
+    if (i < first or u.backward == "explicit" or staged[i] or offloaded[i]
+            or (i + 1 < len(units) and offloaded[i + 1])):
+        return 0
+    return u.output_bytes
 
 
 def _traffic(sequence, staged, offloaded):
@@ -303,7 +337,9 @@ class _Search:
     """The device total of a plan, updated move by move in O(1).
 
     Moves only ever take an item off the device, so the peak working set
-    and the activations in flight only grow: running maxima suffice.
+    and the activations in flight only grow: running maxima suffice; a
+    move can only turn a taped layer into a recomputed one (its tape's
+    estimate leaves the total).
     """
 
     def __init__(self, sequence, forced):
@@ -321,6 +357,12 @@ class _Search:
         self.peak = max(ws, default=0)
         self.flight = max((self._window(i) for i in range(len(units))),
                           default=0)
+        self.first = _first_with_params(units)
+        self.tapes = sum(self._tape(i) for i in range(len(units)))
+
+    def _tape(self, i):
+        return _tape(self.units, i, self.staged, self.offloaded,
+                     self.first) if i >= 0 else 0
 
     def _window(self, i):
         return sum(self.units[j].input_bytes
@@ -340,10 +382,11 @@ class _Search:
     @property
     def total(self):
         return (self.resident + 2 * self.peak + self.kept + self.output
-                + self.flight)
+                + self.flight + self.tapes)
 
     def stage(self, i, limit):
         """Stages table i if no working set then exceeds `limit`."""
+        tape = self._tape(i)
         self.staged[i] = True
         ws = max(self.units[i].param_bytes, self._backward_ws(i))
         if ws > limit:
@@ -351,10 +394,12 @@ class _Search:
             return False
         self.peak = max(self.peak, ws)
         self.resident -= self.units[i].table_bytes
+        self.tapes -= tape - self._tape(i)
         return True
 
     def offload(self, i, limit):
         """Offloads activation i if no working set then exceeds `limit`."""
+        tapes = self._tape(i - 1) + self._tape(i)
         self.offloaded[i] = True
         ws = max(self._backward_ws(j) for j in (i - 1, i) if j >= 0)
         if ws > limit:
@@ -364,6 +409,7 @@ class _Search:
         self.kept -= self.units[i].input_bytes
         self.flight = max([self.flight] + [self._window(j)
                                            for j in range(i - 2, i + 1)])
+        self.tapes -= tapes - self._tape(i - 1) - self._tape(i)
         return True
 
 
@@ -422,7 +468,8 @@ def plan(sequence, budget=None, offload_activations=None):
         sequence: the step's `AccessSequence` (see `record_model`).
         budget: device bytes the parameter cache, the non-trainable
             variables (frozen layers, BatchNorm statistics; never staged),
-            the access pool and the saved activations may use. Defaults to
+            the access pool, the saved activations and the kept tapes (an
+            estimate: see the module's docstring) may use. Defaults to
             None: no limit, every table resident.
         offload_activations: None (default) keeps every activation on the
             device; "auto" lets the planner offload them, first layers

@@ -667,11 +667,16 @@ class LayerwiseTrainer:
         self._hold(0, x, "activations")
         del x
         tapes, states, offload_jobs, release_jobs = {}, {}, {}, {}
-        last_offload = None
 
         # ----- forward, layer by layer
         for unit in units:
             i = unit.index
+            if i - 2 in offload_jobs:
+                # The plan counts an offloaded activation on the device
+                # while the next layer runs (three consecutive ones at
+                # most, with that layer's input and output): gone before
+                # the layer after next, however far the next offload is.
+                offload_jobs[i - 2].wait()
             if i in forward_jobs:
                 self._wait(forward_jobs[i])
             xi = self._held[i]
@@ -694,10 +699,7 @@ class LayerwiseTrainer:
             if not needed:
                 self._drop(i)
             elif plan.offloaded[i]:
-                # One offload in flight at a time (the plan counts one).
-                if last_offload is not None:
-                    last_offload.wait()
-                offload_jobs[i] = last_offload = self.writer.submit(
+                offload_jobs[i] = self.writer.submit(
                     functools.partial(self._offload, i),
                     f"offload of {unit.name}'s input")
 
@@ -779,13 +781,23 @@ class LayerwiseTrainer:
         store (no device memory is involved)."""
         hosts = self.store.get(unit.index)
         for t in unit.tables:
-            layout = self.sync.tables[t].layout
+            table = self.sync.tables[t]
+            layout = table.layout
             positions = unit.table_positions[t]
             with tf.device("/cpu:0"):
+                # Pushed since the last pull: with no fresh rows (SSP) the
+                # pull re-bases the snapshot on the values given, as they
+                # are; a resident layer's variables get `snapshot + update
+                # * scale` ("average": the own update as the shards apply
+                # it, `ParameterSync._own_view`), and so do the host copies.
+                base = table.snapshot if table.snapshot_stale else None
                 fresh = self.sync.pull(t, values=[hosts[p]
                                                   for p in positions])
                 if fresh is None:
-                    continue  # nothing new: the host copies stay
+                    if base is None or self.sync.scale == 1.0:
+                        continue  # nothing new: the host copies stay
+                    fresh = base + self.sync.scale * (table.snapshot - base)
+                    table.snapshot = fresh
                 pieces = tf.split(fresh, list(layout.sizes))
                 for p, piece, shape in zip(positions, pieces, layout.shapes):
                     hosts[p] = tf.reshape(piece, shape)

@@ -126,12 +126,20 @@ def test_offload_by_name_and_backward_modes():
     # may keep a tape that pins it; a Dense never keeps one.
     assert p.modes == ["taped", "taped", "recompute", "recompute",
                        "explicit"]
+    # Each kept tape is estimated at one output of its layer.
+    assert p.tape_bytes == 2 * 800
     acts = 5 * 800 + 40
-    p = plan(seq, budget=acts + 2000 + 1000)   # pool + one resident table
+    # pool + one resident table + drop's tape
+    p = plan(seq, budget=acts + 2000 + 1000 + 800)
     assert p.staged == [True, True, False, True, False]
     assert p.resident_tables == ["dense"]
     assert p.modes == ["recompute", "recompute", "taped", "recompute",
                        "explicit"]
+    assert p.tape_bytes == 800
+    assert p.device_bytes == acts + 2000 + 1000 + 800
+    # Without room for that tape, staging the last table makes up for it.
+    assert plan(seq, budget=acts + 2000 + 1000).staged == \
+        [True, True, False, True, True]
     with pytest.raises(ValueError, match="no layer"):
         plan(seq, offload_activations=["nope"])
 

@@ -68,3 +68,34 @@ def test_fit_is_refused_and_too_small_a_budget_named(thread_cluster):
                                        loss_fn(), BATCH)
     finally:
         strategy.close()
+
+
+def run_alone(cluster, budget, data):
+    """Worker 0 of 2 trains under SSP "average" with a slack of the whole
+    run: worker 1 never clocks, so no pull brings fresh rows, and each
+    layer's own update must count as the shards apply it (halved)."""
+    strategy = keras_geeps.GeePSStrategy(
+        client=cluster.client(0, timeout=30, slack=len(data)),
+        device_memory_budget=budget)
+    try:
+        with strategy.scope():
+            model = mlp()
+        trainer = strategy.layerwise_trainer(
+            model, keras.optimizers.SGD(0.05), loss_fn(), BATCH, audit=True)
+        for x, y in data:
+            trainer.train_step(x, y)
+        return (model.get_weights(), trainer.plan, trainer.stats(),
+                strategy.ps_stats())
+    finally:
+        strategy.close()
+
+
+def test_ssp_average_weights_do_not_depend_on_the_budget(thread_cluster):
+    data = batches((WIDTH,), 10)
+    free = run_alone(thread_cluster(1, 2), None, data)
+    tight = run_alone(thread_cluster(1, 2), param_bytes(mlp()) // 4, data)
+    assert not any(free[1].staged)
+    assert sum(tight[1].staged) >= len(tight[1].staged) - 2
+    assert tight[2]["audit_mismatches"] == 0
+    for a, b in zip(free[0], tight[0]):
+        np.testing.assert_array_equal(a, b)

@@ -5,6 +5,7 @@ before the optimizer state exists. Every run under a budget is compared
 with the same run without one (or with Keras' own gradients)."""
 
 import functools
+import threading
 import weakref
 
 import keras
@@ -286,3 +287,87 @@ def test_a_finished_job_keeps_nothing_its_function_was_given():
         assert job.fn is None and ref() is None
     finally:
         worker.close()
+
+
+# --------------------------------- 11. offloads more than a layer apart
+def gapped_mlp():
+    """63 wide at a batch of 64: a table and an activation both 16,128
+    bytes, so two staged tables fill the pool as the forward runs."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [keras.Input((63,))]
+        + [keras.layers.Dense(63, activation="relu", name=f"d{i}")
+           for i in range(5)]
+        + [keras.layers.Dense(10, name="out")])
+
+
+def test_offloads_three_layers_apart_stay_within_the_plan():
+    """The plan counts an offloaded activation on the device until the
+    layer after next has run (three consecutive ones at most): the trainer
+    must not let it stay longer when the next offload is further away.
+    The writer is held up (a job of ours ahead of the step's) until the
+    last layer's output is held or 3 s pass: the staged tables' forward
+    copies stay in the pool, and the activation offloaded at layer 2, if
+    nobody waits for it before layer 5's offload, is still there too."""
+    batch, offload = 64, ["d2", "out"]
+    free = plan(record_model(gapped_mlp(), batch),
+                offload_activations=offload)
+    table = free.units[0].table_bytes
+    assert table == free.units[2].input_bytes == 16128
+    budget = free.device_bytes - 2 * table   # two tables staged
+    model = gapped_mlp()
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                               batch, device_memory_budget=budget,
+                               audit=True, offload_activations=offload)
+    p = trainer.plan
+    # (d1 stays: its backward would need its table and d2's input at once)
+    assert p.staged == [True, False, False, True, False, False]
+    assert p.offloaded == [False, False, True, False, False, True]
+    output = len(trainer.units)
+    measure = trainer.ledger.audit
+    release = threading.Event()
+
+    def audit():  # under the ledger's lock, after every hold and drop
+        if output in trainer._held:
+            release.set()
+        return measure()
+
+    trainer.ledger.audit = audit
+    try:
+        data = batches((63,), 10, steps=2, batch=batch)
+        trainer.train_step(*data[0])  # traced: fast from here on
+        release.clear()
+        trainer.writer.submit(functools.partial(release.wait, 3.0),
+                              "a slow writer")
+        trainer.train_step(*data[1])
+        stats = trainer.stats()
+    finally:
+        trainer.close()
+    assert stats["audit_mismatches"] == 0
+    assert stats["audit_peak_bytes"] <= p.device_bytes <= budget
+    assert stats["peak_device_bytes"] <= p.device_bytes
+
+
+# ----------------------------------------- 12. tapes kept until backward
+def test_the_tapes_kept_until_the_backward_are_in_the_plan():
+    """A taped layer's tape holds tensors of its own (dropout's mask, the
+    gelu's input) from its forward to its backward: the plan counts one
+    output of the layer for each; a recomputed layer keeps none, nor does
+    a layer before the first with parameters (it runs without a tape)."""
+    seq = record_model(noisy_model(), BATCH)
+    outputs = [u.output_bytes for u in seq.units]
+    p = plan(seq)
+    assert p.modes == ["taped", "taped", "taped"]
+    assert p.tape_bytes == sum(outputs) > 0
+    assert p.device_bytes == (p.resident_bytes + p.pool_bytes
+                              + p.activation_device_bytes + sum(outputs))
+    assert p.figures()["tape_bytes"] == sum(outputs)
+    offloaded = plan(seq, offload_activations=["noisy"])
+    assert offloaded.modes == ["recompute", "recompute", "taped"]
+    assert offloaded.tape_bytes == outputs[2]
+    keras.utils.set_random_seed(0)
+    dropout_first = keras.Sequential([
+        keras.Input((16,)), keras.layers.Dropout(0.5),
+        keras.layers.Dense(3, activation="gelu")])
+    seq = record_model(dropout_first, BATCH)
+    assert plan(seq).tape_bytes == seq.units[1].output_bytes
