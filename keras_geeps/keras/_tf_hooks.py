@@ -15,14 +15,17 @@ take a step's additive update from `Optimizer.assign_add` / `assign_sub`
 (the methods every built-in optimizer's `update_step` writes a variable
 through) instead of writing the variable and measuring the change
 afterwards, and `optimizer_refuses_capture` reads the optimizer settings
-under which that would be wrong. A captured update leaves the variables one
-step behind the shards, so the same function makes Keras catch them up
+under which that would be wrong. After a step the variables are not the
+shards' rows (a captured update is not in them; a measured one is this
+worker's own, unscaled), so `_install_catch_ups` makes Keras catch them up
 wherever user code can see them between steps: `CallbackList`'s dispatch
 (before epoch / train end, evaluate / predict begin, and around train
 batches when a callback reads weights there), after `train_on_batch`, and
 in `finalize_variable_values` (the end of `fit`; under `use_ema` that
 makes the workers' mean moving averages the weights everywhere,
-`ParameterSync.finalize_moving_average`). `install_fit_hooks` has the
+`ParameterSync.finalize_moving_average`); and at `fit`'s start has the
+first step take the shards' rows, whatever weights were set since.
+`install_fit_hooks` has the
 strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an epoch's logs
 by their mean over the workers before epoch-end callbacks, the final sync
 run before train-end callbacks, and an exception raised in a step's pull or
@@ -97,7 +100,6 @@ def in_xla_context():
 
 # ------------------------------------------------- optimizer update capture
 _current = threading.local()
-_syncs = weakref.WeakSet()  # ParameterSyncs that may hold captured layers
 _all_syncs = weakref.WeakSet()  # every open ParameterSync
 
 
@@ -120,12 +122,12 @@ def capturing(capture):
         _current.capture = previous
 
 
-def install_update_capture(sync):
+def install_update_capture():
     """Routes Keras optimizers' `assign_add` / `assign_sub` through
-    `capturing`, and has Keras call `sync.catch_up(variables)` wherever user
-    code can see the weights between steps (`_install_catch_ups`), so that
-    a captured last update is in the variables then. Idempotent."""
-    _syncs.add(sync)
+    `capturing`, and has Keras call every sync's `catch_up(variables)`
+    wherever user code can see the weights between steps
+    (`_install_catch_ups`), so that a captured last update is in the
+    variables then. Idempotent."""
     cls = keras.optimizers.Optimizer
     if cls.__dict__.get("_geeps_capture_installed"):
         return
@@ -148,19 +150,25 @@ def install_update_capture(sync):
 
 def release_sync(sync):
     """Stops catching up `sync`'s variables (its client is closing)."""
-    _syncs.discard(sync)
     _all_syncs.discard(sync)
 
 
 def catch_up(variables):
-    """Brings every sync's captured last update of `variables` into them."""
-    for active in list(_syncs):
+    """Brings `variables` to the shards' rows where a step pushed since
+    their last pull (`ParameterSync.catch_up`)."""
+    for active in list(_all_syncs):
         active.catch_up(variables)
 
 
 def _catch_up_model(model):
-    if model is not None and _syncs:
+    if model is not None and _all_syncs:
         catch_up(model.weights)
+
+
+def _restart_model_from_shards(model):
+    if model is not None and _all_syncs:
+        for active in list(_all_syncs):
+            active.restart_from_shards(model.weights)
 
 
 # CallbackList methods before whose callbacks the weights are made current:
@@ -171,7 +179,9 @@ _CATCH_UP_BEFORE = ("on_epoch_end", "on_train_end", "on_test_begin",
 
 def _install_catch_ups():
     """Patches Keras where user code sees the weights between steps (each
-    a no-op while no sync captures updates). Idempotent."""
+    a no-op while no layer was pushed since its pull), and `fit`'s start
+    (`on_train_begin`: the first step pulls the shards' rows whatever the
+    weights were set to since). Idempotent."""
     from keras_geeps.keras.callbacks import (  # noqa: PLC0415
         reads_weights_per_batch)
     optimizer = keras.optimizers.Optimizer
@@ -204,13 +214,21 @@ def _install_catch_ups():
             return _original(self, *args, **kwargs)
 
         setattr(callback_list, name, before)
+    on_train_begin = callback_list.on_train_begin
+
+    @functools.wraps(on_train_begin)
+    def restarted(self, *args, **kwargs):
+        _restart_model_from_shards(getattr(self, "_model", None))
+        return on_train_begin(self, *args, **kwargs)
+
+    callback_list.on_train_begin = restarted
     for name in ("on_train_batch_begin", "on_train_batch_end"):
         original = getattr(callback_list, name)
 
         @functools.wraps(original)
         def around_batch(self, *args, _original=original, **kwargs):
             # Here, in the dispatching thread: never beside the next step.
-            if _syncs and _observes_batches(self, reads_weights_per_batch):
+            if _all_syncs and _observes_batches(self, reads_weights_per_batch):
                 _catch_up_model(getattr(self, "_model", None))
             return _original(self, *args, **kwargs)
 
@@ -385,3 +403,21 @@ def ops_writing(graph, handles, start=0):
             if outer in handles:
                 written.add(outer)
     return written
+
+
+def ops_using_after(graph, positions):
+    """The external resource handles among `positions` ({id(var.handle):
+    position in `graph.get_operations()`}) that an op of `graph` created
+    at or after that handle's position takes as an input (a read, or any
+    other use)."""
+    if not positions:
+        return set()
+    internal = {id(inner): id(outer) for outer, inner in graph.captures}
+    operations = graph.get_operations()
+    used = set()
+    for position in range(min(positions.values()), len(operations)):
+        for tensor in operations[position].inputs:
+            outer = internal.get(id(tensor), id(tensor))
+            if positions.get(outer, position + 1) <= position:
+                used.add(outer)
+    return used

@@ -16,6 +16,11 @@ earlier in the step (weight decay). Steps run eagerly are never captured:
 their direct writes leave no op to check. A layer is captured only when
 every one of its variables was; the captured updates of a layer that is not
 are applied at the end of the step, before its push measures the change.
+
+A read of a variable after its captured update in the same step (a GAN's
+generator pass through the discriminator it has just updated) is found
+only once the step is traced, too late to apply that update instead: the
+step is refused with a `GeePSError` naming `capture_updates=False`.
 """
 
 import keras
@@ -51,6 +56,8 @@ class UpdateCapture:
         self.updates = {}      # id(variable) -> [(value, sign)]
         self._scanned = self.start
         self._written = set()  # id(handle) written directly so far
+        # id(handle) -> the graph position of its first captured update
+        self.offered_at = {}
 
     def expect(self, variable):
         """This capture, primed for `variable`'s update (None when the
@@ -70,6 +77,8 @@ class UpdateCapture:
             return False
         value = tf.cast(value, variable.dtype)
         self.updates.setdefault(id(variable), []).append((value, sign))
+        self.offered_at.setdefault(id(variable.handle),
+                                   len(self.graph.get_operations()))
         return True
 
     def _refusal(self, optimizer, variable, value):
@@ -106,9 +115,24 @@ class UpdateCapture:
 
         Raises:
             GeePSError: a captured variable is also written by another op
-                of the step (its update could not be placed in order).
+                of the step (its update could not be placed in order), or
+                read after its update (a second pass through a model
+                after an optimizer updated it in the same step, as a GAN's
+                generator step through the discriminator): the read would
+                see the value before the update.
         """
         written = _tf_hooks.ops_writing(self.graph, self.handles, self.start)
+        late = _tf_hooks.ops_using_after(self.graph, self.offered_at)
+        if late:
+            names = ", ".join(sorted(
+                _variable_name(v) for v in self.variables.values()
+                if id(v.handle) in late))
+            raise GeePSError(
+                f"the train step reads {names} after the optimizer updated "
+                f"them (a second pass through a model in the same step, as "
+                f"in a GAN); a captured update is not in the variables "
+                f"within the step, so that read would see the old values: "
+                f"create the strategy with capture_updates=False")
         captured = {}
         for index, layer in enumerate(layers):
             kept = [self.updates.get(id(v)) for v in layer.variables]
@@ -131,6 +155,10 @@ class UpdateCapture:
                     else:
                         variable.assign_sub(value)
         return captured
+
+
+def _variable_name(variable):
+    return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 
 def _combine(updates):

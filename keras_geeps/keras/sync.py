@@ -103,6 +103,12 @@ def as_host_array(tensor):
     return np.from_dlpack(tensor)
 
 
+def _ids(variables):
+    """The ids of the tf.Variables of `variables` (tf or keras.Variables)."""
+    return {id(v._value if isinstance(v, keras.Variable) else v)
+            for v in variables}
+
+
 def _variable_name(variable):
     """A variable's Keras path if it has one, else its TF name."""
     return getattr(variable, "path", None) or variable.name.split(":")[0]
@@ -120,7 +126,10 @@ class LayerTable:
         self.snapshot_stale = False  # variables changed since the snapshot
         self.pulled_ages = None
         self.on_cpu = all("CPU" in v.device.upper() for v in variables)
-        self.behind = False  # a captured update is not in the variables
+        # Pushed by a train step since the last pull: the variables may
+        # trail the shards (a captured update is not in them; a measured
+        # one is in them unscaled, without the other workers').
+        self.behind = False
         self.pulled_shared = None  # the pulled shard rows, if shared
         self._reads = _BufferPair(layout.total_size, table.dtype)
         self._uploads = _BufferPair(layout.total_size, table.dtype)
@@ -198,7 +207,7 @@ class ParameterSync:
         self._capture = None       # the UpdateCapture of the step traced now
         self.captured_layers = []  # layers the last train step captures
         if capture_updates:
-            _tf_hooks.install_update_capture(self)
+            _tf_hooks.install_update_capture()
         self.lock = threading.Lock()
         self.pull_wait_seconds = 0.0
         self.pull_seconds = 0.0
@@ -444,6 +453,7 @@ class ParameterSync:
             if layer.snapshot_stale:  # own updates stay; re-base the delta
                 layer.snapshot = self._own_view(layer, current, values)
                 layer.snapshot_stale = False
+                layer.behind = False  # (as the shards will apply it)
             self.pull_seconds += time.perf_counter() - started
             return None
         with self.lock:
@@ -529,6 +539,7 @@ class ParameterSync:
                               signs[index])
                     position += count
                 self._send(index, update=update)
+                self.tables[index].behind = True
         except Exception as exc:
             self._keep_failure(exc)
             raise
@@ -537,13 +548,16 @@ class ParameterSync:
         return True
 
     def catch_up(self, variables):
-        """Pulls the layers among `variables` whose captured last update is
-        not in their variables yet.
+        """Pulls the layers among `variables` that a train step pushed
+        since their last pull.
 
-        Called wherever user code can see the weights between steps:
-        before a `fit` callback's epoch / train end, after
-        `train_on_batch`, at `fit`'s end (`_tf_hooks`). Costs nothing when
-        no layer is behind.
+        After a step a layer's variables are not what the shards hold: a
+        captured update is not in them at all, a measured one (GPU, SSP,
+        `capture_updates=False`) is in them as this worker made it, neither
+        scaled for "average" nor with the other workers' updates. Called
+        wherever user code can see the weights between steps: before a
+        `fit` callback's epoch / train end, after `train_on_batch`, at
+        `fit`'s end (`_tf_hooks`). Costs nothing when no layer is behind.
 
         Args:
             variables: tf.Variables or keras.Variables (a model's weights).
@@ -551,11 +565,30 @@ class ParameterSync:
         behind = [i for i, layer in enumerate(self.tables) if layer.behind]
         if not behind:
             return
-        wanted = {id(v._value if isinstance(v, keras.Variable) else v)
-                  for v in variables}
+        wanted = _ids(variables)
         for index in behind:
             if any(id(v) in wanted for v in self.tables[index].variables):
                 self.pull(index)
+
+    def restart_from_shards(self, variables):
+        """Has the next pull of each layer among `variables` assign the
+        shards' rows, whether or not they changed since the last pull.
+
+        Called as `fit` begins (`_tf_hooks`): weights set between fits
+        (`set_weights`, `load_weights`, `EarlyStopping(
+        restore_best_weights=True)`) are this worker's alone, and a step
+        starting from them would push their difference to the shards as
+        part of its update. A layer pushed since its last pull (a custom
+        loop's, under SSP) is left to its pull's own view.
+
+        Args:
+            variables: tf.Variables or keras.Variables (a model's weights).
+        """
+        wanted = _ids(variables)
+        for layer in self.tables:
+            if not layer.snapshot_stale and \
+                    any(id(v) in wanted for v in layer.variables):
+                layer.pulled_ages = None  # the next pull reads and assigns
 
     def push(self, index, values=None):
         """Sends the update of table `index` since its last pull, and
@@ -620,7 +653,6 @@ class ParameterSync:
         """Writes a captured update where it will travel from; the rows."""
         scales = [sign * self.scale for sign in signs]
         dtype = layer.table.dtype
-        layer.behind = True
         if layer.pulled_shared is not None:
             with self.lock:  # the table's only writer: its new rows
                 lent = self.client.lend_target(layer.table)
@@ -662,8 +694,7 @@ class ParameterSync:
             False, having done nothing, when no table holds any of
             `variables`; else True.
         """
-        wanted = {id(v._value if isinstance(v, keras.Variable) else v)
-                  for v in variables}
+        wanted = _ids(variables)
         indices = [i for i, layer in enumerate(self.tables)
                    if any(id(v) in wanted for v in layer.variables)]
         if not indices:

@@ -142,3 +142,66 @@ def test_capture_leaves_optimizers_outside_geeps_alone(thread_cluster):
         np.testing.assert_allclose(variable.numpy(), [0.5, 0.0, -0.5])
     finally:
         strategy.close()
+
+
+class _TwoPhase(keras.Model):
+    """A GAN-like step: updates layer "a", then passes through it again
+    (reading its new weights) to update layer "b", each with its own
+    optimizer."""
+
+    def __init__(self):
+        super().__init__(name="two_phase")
+        self.a = keras.layers.Dense(4, activation="tanh", name="a")
+        self.b = keras.layers.Dense(2, name="b")
+
+    def call(self, x):
+        return self.b(self.a(x))
+
+    def compile(self, **kwargs):
+        super().compile(**kwargs)
+        self.opt_a = keras.optimizers.SGD(0.1)
+        self.opt_b = keras.optimizers.SGD(0.1)
+
+    def train_step(self, data):
+        x, y = data
+        for layer, optimizer in ((self.a, self.opt_a),
+                                 (self.b, self.opt_b)):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x) - y))
+            variables = layer.trainable_variables
+            optimizer.apply(tape.gradient(loss, variables), variables)
+        return {"loss": loss}
+
+
+def _two_phase():
+    keras.utils.set_random_seed(1)
+    model = _TwoPhase()
+    model.build((None, 5))
+    model.compile(jit_compile=False)
+    return model
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_a_read_after_a_captured_update_is_refused(thread_cluster, capture):
+    """A captured update is not in the variable within the step: the
+    second pass would see "a"'s old weights. That step is refused, naming
+    the remedy; without capture it trains as plain Keras."""
+    from keras_geeps.errors import GeePSError  # noqa: PLC0415
+
+    x, y = regression_data(STEPS * BATCH)
+    reference = _two_phase()
+    reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20),
+                             capture_updates=capture)
+    try:
+        with strategy.scope():
+            model = _two_phase()
+        if capture:
+            with pytest.raises(GeePSError, match="capture_updates=False"):
+                model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+            return
+        model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+        _close(model.get_weights(), reference.get_weights())
+    finally:
+        strategy.close()

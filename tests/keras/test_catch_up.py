@@ -19,6 +19,7 @@ keras = pytest.importorskip("keras")
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
 from tests.keras import regression_data, small_model  # noqa: E402
+from tests.worker_threads import run_worker_threads  # noqa: E402
 
 STEPS, BATCH, EPOCHS = 4, 4, 2
 
@@ -133,3 +134,86 @@ def test_train_on_batch_leaves_the_weights_current(thread_cluster):
         assert strategy.parameter_sync.steps == 3
     finally:
         strategy.close()
+
+
+def _named_model(strategy):
+    """small_model's layers in a model named "m" (workers built in threads
+    must name their tables alike: Keras numbers unnamed models globally)."""
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)),
+                                  keras.layers.Dense(3, name="a"),
+                                  keras.layers.Dense(2, name="b")], name="m")
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+    return model
+
+
+def test_measured_updates_are_caught_up_on_every_worker(thread_cluster):
+    """Without captured updates (as on a GPU or under SSP) a step leaves
+    the worker's own update, unscaled, in its variables: two workers
+    (threads) under BSP "average", with no validation and without the
+    strategy's callbacks, see the shards' rows at every epoch end and
+    train end, and the same weights."""
+    cluster = thread_cluster(1, 2)
+    x, y = regression_data(2 * STEPS * BATCH)
+
+    def worker(w):
+        strategy = GeePSStrategy(client=cluster.client(w, timeout=30),
+                                 capture_updates=False)
+        try:
+            model = _named_model(strategy)
+            compare = _Compare(strategy)
+            part = slice(w * STEPS * BATCH, (w + 1) * STEPS * BATCH)
+            model.fit(x[part], y[part], batch_size=BATCH, epochs=EPOCHS,
+                      shuffle=False, verbose=0, callbacks=[compare])
+            assert not strategy.parameter_sync.captured_layers
+            return compare.seen, _weights(model)
+        finally:
+            strategy.close()
+
+    results, errors = run_worker_threads(2, worker, timeout=120)
+    assert not errors, errors
+    for seen, final in results.values():
+        assert len(seen["epoch"]) == EPOCHS and len(seen["train_end"]) == 1
+        for weights, rows in seen["epoch"] + seen["train_end"]:
+            np.testing.assert_array_equal(weights, rows)
+        np.testing.assert_array_equal(final, seen["train_end"][0][1])
+    for where in ("epoch", "train_end"):
+        for (mine, _), (theirs, _) in zip(results[0][0][where],
+                                          results[1][0][where]):
+            np.testing.assert_array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_a_later_fit_goes_on_from_the_shards_values(thread_cluster,
+                                                     capture):
+    """Weights set between fits (set_weights here; EarlyStopping's restore
+    or load_weights alike) stay this worker's: the next fit's first step
+    starts from the shards' rows, as one plain Keras SGD step from them."""
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20),
+                             capture_updates=capture)
+    try:
+        model = small_model(strategy)
+        x, y = regression_data(STEPS * BATCH)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0)
+        shards = [w.copy() for w in model.get_weights()]
+        np.testing.assert_array_equal(_weights(model), _rows(strategy))
+        model.set_weights([w + 1.0 for w in shards])
+        model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1,
+                  shuffle=False, verbose=0)
+        assert bool(strategy.parameter_sync.captured_layers) == capture
+        got = _weights(model)
+        np.testing.assert_array_equal(got, _rows(strategy))
+    finally:
+        strategy.close()
+    keras.utils.set_random_seed(1)
+    reference = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3),
+                                  keras.layers.Dense(2)])
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+    reference.set_weights(shards)
+    reference.train_on_batch(x[:BATCH], y[:BATCH])
+    np.testing.assert_allclose(got, _weights(reference), rtol=1e-6,
+                               atol=1e-7)

@@ -8,6 +8,7 @@ of `fit` as `tf.errors.UnknownError`.
 """
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -46,30 +47,36 @@ def test_a_pull_timing_out_inside_fit_raises_geeps_timeout_error(
                       verbose=0, callbacks=strategy.callbacks())
         _from_a_step(excinfo)
         assert strategy.parameter_sync.steps == 1
-        # evaluate waits for the same clock: the same class. (With
-        # captured updates, in the catch-up before its first step.)
-        with pytest.raises(GeePSTimeoutError) as excinfo:
+        # evaluate waits for the same clock: the same class (in the
+        # catch-up before its first step: step 1's update is pushed).
+        with pytest.raises(GeePSTimeoutError):
             model.evaluate(x, y, batch_size=BATCH, verbose=0)
-        if not capture:
-            _from_a_step(excinfo)
     finally:
         strategy.close()
 
 
+def _dying_pair(thread_cluster):
+    """Worker 0's strategy (slack 1: the catch-up ending a one-step fit or
+    train_on_batch waits for no one) on a 2-worker cluster whose shard
+    declares a worker dead after 3 s of silence."""
+    cluster = thread_cluster(1, 2, settings=ShardSettings(worker_timeout=3))
+    return cluster, GeePSStrategy(
+        client=cluster.client(0, timeout=60, heartbeat_interval=0.2,
+                              slack=1),
+        capture_updates=False, average_epoch_logs=False)
+
+
 def test_a_worker_declared_dead_inside_fit_raises_geeps_worker_failed(
         thread_cluster):
-    cluster = thread_cluster(1, 2, settings=ShardSettings(worker_timeout=3))
-    strategy = GeePSStrategy(
-        client=cluster.client(0, timeout=60, heartbeat_interval=0.2),
-        capture_updates=False, average_epoch_logs=False)
+    cluster, strategy = _dying_pair(thread_cluster)
     stalled = None
     try:
         model = small_model(strategy)
         x, y = regression_data(4 * BATCH)
-        # One step alone (tables built, clock 1): it waits for no one.
+        # One step alone (tables built and traced, clock 1).
         model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
         # Worker 1 says HELLO, then falls silent: declared dead 3 s later,
-        # while worker 0's next pull waits for its clock.
+        # while worker 0's pull at clock 2 waits for its clock 0.
         stalled = cluster.client(1, timeout=60, heartbeat_interval=3600)
         with pytest.raises(GeePSWorkerFailedError,
                            match="worker 1") as excinfo:
@@ -83,20 +90,30 @@ def test_a_worker_declared_dead_inside_fit_raises_geeps_worker_failed(
 
 
 def test_train_on_batch_raises_the_geeps_error_too(thread_cluster):
-    cluster = thread_cluster(1, 2)
-    # (Captured updates would have train_on_batch wait for worker 1's
-    # clock at its end, in the catch-up, not in the step.)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=1.5),
-                             capture_updates=False)
+    # train_on_batch ends with a catch-up, which waits for what the next
+    # step's pull would: an error in that step comes from a worker declared
+    # dead meanwhile.
+    cluster, strategy = _dying_pair(thread_cluster)
+    stalled = None
     try:
         model = small_model(strategy)
         x, y = regression_data(BATCH)
-        model.train_on_batch(x, y)  # clock 0: waits for no one
-        with pytest.raises(GeePSTimeoutError) as excinfo:
+        model.train_on_batch(x, y)  # clock 0 -> 1
+        stalled = cluster.client(1, timeout=60, heartbeat_interval=3600)
+        table = strategy.parameter_sync.tables[0].table
+        deadline = time.monotonic() + 30
+        with pytest.raises(GeePSWorkerFailedError):  # known to worker 0
+            while time.monotonic() < deadline:
+                strategy.client.wait_fresh(table)  # within the slack
+                time.sleep(0.2)
+        with pytest.raises(GeePSWorkerFailedError,
+                           match="worker 1") as excinfo:
             model.train_on_batch(x, y)
         _from_a_step(excinfo)
     finally:
         strategy.close()
+        if stalled is not None:
+            stalled.close()
 
 
 # ------------------------------------------------------ distribute_dataset
