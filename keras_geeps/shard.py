@@ -456,6 +456,9 @@ class ShardServer:
         self._incarnations = {}   # worker id -> incarnation number
         self._seqs = {}           # worker id -> _SeqTracker
         self._answers = {}        # worker id -> {seq: reply} (KEPT_ANSWERS)
+        # worker id -> tables its CREATE found existing (the answer a
+        # resent chunk gets once its kept answer was pushed out)
+        self._existing = {}
         self._parked = []         # (identity, Message) reads waiting
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._last_seen = {}      # worker id -> time of its last message
@@ -859,6 +862,11 @@ class ShardServer:
                 self._seqs[worker].seen(message.seq):  # a resend: done
             self.stats["duplicates"] += 1
             answer = self._answers.get(worker, {}).get(message.seq)
+            table = self._tables.get(message.table)
+            if answer is None and kind == MsgType.CREATE and \
+                    table is not None and \
+                    message.table in self._existing.get(worker, ()):
+                answer = self._table_ack(table, message.seq, existing=True)
             if answer is not None:  # the first answer was lost: again
                 self._send(identity, answer)
             elif kind != MsgType.UPDATE:
@@ -900,6 +908,7 @@ class ShardServer:
             # numbered from its HELLO on.
             self._seqs[worker] = _SeqTracker(message.seq)
             self._answers.pop(worker, None)
+            self._existing.pop(worker, None)
             self._forget_shm(worker)
             if worker in self._dead:
                 self._rejoin(worker)
@@ -1106,6 +1115,7 @@ class ShardServer:
         if table.ready and table.initialised is None:
             # Restored from a checkpoint (or created before): the shard's
             # rows win over a restarted creator's fresh initial values.
+            self._existing.setdefault(message.worker, set()).add(table.id)
             self._answer(identity, message, self._table_ack(
                 table, message.seq, existing=True))
             if message.meta.get("chunk_row", 0) == 0:

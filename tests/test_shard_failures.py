@@ -159,6 +159,39 @@ def test_a_worker_restarted_between_clocks_carries_on(servers):
         again.close()
 
 
+def test_a_resent_create_of_an_existing_table_still_says_so(
+        servers, monkeypatch):
+    """A CREATE chunk resent after a broken connection, whose kept answer
+    later chunks pushed out, is still answered "existing": the worker must
+    not take its fresh initial rows for the table's."""
+    monkeypatch.setattr(shard_module, "KEPT_ANSWERS", 2)
+    server = servers(num_workers=1, worker_timeout=30)
+    first = servers.peer(server, 0)
+    _create(first, 4, 2, value=5.0)
+    assert first.ask_past_pushes(MsgType.CLOCK, table=0,
+                                 clk=0).type == MsgType.ACK
+    again = _restarted_worker0(server)
+    try:
+        chunks = []
+        for row in range(4):  # its creator's initial rows, chunk by chunk
+            chunks.append(again.message(
+                MsgType.CREATE, table=0, arrays=[np.zeros((1, 2), np.float32)],
+                meta=dict(spec(4, 2), chunk_row=row)))
+            again.send(chunks[-1])
+            reply = again.recv()
+            while reply.type == MsgType.PUSH:
+                reply = again.recv()
+            assert reply.meta.get("existing")
+        again.send(chunks[0])  # resent (its answer lost), pushed out
+        reply = again.recv()
+        while reply.type == MsgType.PUSH:
+            reply = again.recv()
+        assert reply.type == MsgType.ACK and reply.meta.get("existing")
+        assert reply.meta["global_clock"] == 1
+    finally:
+        again.close()
+
+
 def test_a_sequence_number_far_ahead_is_refused_not_counted(servers):
     """One request numbered far past the worker's latest would make every
     later one count as done (its updates dropped unanswered): refused."""
