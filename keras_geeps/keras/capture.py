@@ -125,7 +125,7 @@ class UpdateCapture:
         late = _tf_hooks.ops_using_after(self.graph, self.offered_at)
         if late:
             names = ", ".join(sorted(
-                _variable_name(v) for v in self.variables.values()
+                variable_name(v) for v in self.variables.values()
                 if id(v.handle) in late))
             raise GeePSError(
                 f"the train step reads {names} after the optimizer updated "
@@ -157,7 +157,8 @@ class UpdateCapture:
         return captured
 
 
-def _variable_name(variable):
+def variable_name(variable):
+    """A variable's Keras path if it has one, else its TF name."""
     return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 

@@ -28,7 +28,7 @@ import tensorflow as tf
 from keras_geeps import ops, protocol
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
-from keras_geeps.keras.capture import UpdateCapture
+from keras_geeps.keras.capture import UpdateCapture, variable_name
 
 MAX_ROW_WIDTH = 1024  # elements per row, at most
 # Layers smaller than this leave with the next layer's push (one
@@ -107,11 +107,6 @@ def _ids(variables):
     """The ids of the tf.Variables of `variables` (tf or keras.Variables)."""
     return {id(v._value if isinstance(v, keras.Variable) else v)
             for v in variables}
-
-
-def _variable_name(variable):
-    """A variable's Keras path if it has one, else its TF name."""
-    return getattr(variable, "path", None) or variable.name.split(":")[0]
 
 
 class LayerTable:
@@ -327,7 +322,7 @@ class ParameterSync:
         tabled = {id(v) for layer in self.tables for v in layer.variables}
         missing = [v for key, v in updated.items() if key not in tabled]
         if missing:
-            names = ", ".join(sorted(_variable_name(v) for v in missing))
+            names = ", ".join(sorted(variable_name(v) for v in missing))
             raise GeePSError(
                 f"the step updates variables that are in no parameter "
                 f"table, so their updates would never reach the shards: "
@@ -386,7 +381,7 @@ class ParameterSync:
             table_name = name if dtype == "float32" else f"{name}:{dtype}"
             if table_name in existing:
                 raise GeePSError(
-                    f"{', '.join(_variable_name(v) for v in variables)}: "
+                    f"{', '.join(variable_name(v) for v in variables)}: "
                     f"created after the parameter table {table_name!r} was "
                     f"built, which they would have to join; give each model "
                     f"a distinct name and build layers before training")
