@@ -226,6 +226,27 @@ class _Pending:
             np.add(target, rows, out=target)
         written[:] = True
 
+    def add_sealed(self, start, rows, frame):
+        """Adds the rows of sealed `frame` (`rows`: a view of its frame,
+        as long as the rows it holds) at row `start`.
+
+        Rows not written yet get them opened straight in (the cipher's pass
+        is the write an add makes anyway, and the received frame is not
+        written); others after opening the frame in place. If the frame
+        does not open (`seal.SealError`), nothing changed.
+        """
+        end = start + rows.shape[0]
+        written = self.written[start:end]
+        if written.any():
+            frame.open()  # in place: `rows` now holds them
+            self.add(start, rows)
+            return
+        target = self.buffer[start:end]
+        frame.open_into(target.reshape(-1).view(np.uint8))
+        if self.base is not None:
+            np.add(target, self.base[start:end], out=target)
+        written[:] = True
+
     def add_indexed(self, index, rows):
         """Adds `rows` at row ids `index` (duplicates accumulate)."""
         self._fill(np.unique(index[~self.written[index]]))
@@ -342,6 +363,14 @@ class _BufferPool:
             shared = self.shared.pop(id(dropped), None)
             if shared is not None:
                 shared.close()
+
+
+def _opens_into_rows(message):
+    """True for a sealed UPDATE whose one frame of rows may be opened
+    straight into the clock's rows (`_Pending.add_sealed`): rows sent
+    whole, not by index, shared memory or a lent buffer."""
+    return message.type == MsgType.UPDATE and len(message.arrays) == 1 \
+        and not {"indexed", "into", "ref"} & message.meta.keys()
 
 
 def _user_id(frame):
@@ -482,6 +511,7 @@ class ShardServer:
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0,
                       "sealed_held_back": 0}
         self._sessions = {}       # session id -> _Session (sealed data)
+        self._unopened = None     # the sealed rows of the UPDATE in hand
         self._buried = {}         # worker -> incarnations declared dead
         self._seal_buffers = None  # seal.Buffers of every session
         self._curve_identities = {}  # worker -> its CURVE route (sealed)
@@ -684,7 +714,10 @@ class ShardServer:
                                         "(this shard may have restarted)")
             return
         try:
-            plain = session.channel.open(frames[1:])
+            # The header only: an UPDATE's rows are opened straight into
+            # the clock's fresh rows when they can be (`_Pending.add_sealed`),
+            # everything else in place before it is handled (`_serve`).
+            plain = session.channel.open(frames[1:], defer=True)
         except seal.SealGap as exc:
             log.warning("shard %d: ended worker %d's sealed session: %s",
                         self.shard_id, session.worker, exc)
@@ -699,7 +732,17 @@ class ShardServer:
             return
         self.stats["sealed_in"] += 1
         session.sender.ready = True  # its link is connected
-        self._serve(("sealed", route), plain, session.worker)
+        try:
+            self._serve(("sealed", route), plain[:1], session.worker,
+                        plain[1:])
+        except seal.SealError as exc:  # its header opened, a frame did not
+            self.stats["errors"] += 1
+            log.warning("shard %d: ended worker %d's sealed session: a frame "
+                        "of its message did not open: %s", self.shard_id,
+                        session.worker, exc)
+            self._end_session(route)
+            self._hello_required(route, "a frame of a message did not open: "
+                                        "say HELLO again")
 
     def _hello_required(self, route, error):
         """Answers a sealed route, in the clear, that it must say HELLO."""
@@ -709,18 +752,34 @@ class ShardServer:
                                  "code": protocol.ERROR_HELLO_REQUIRED})),
             False)
 
-    def _serve(self, identity, payload, sealed_worker=None):
+    def _serve(self, identity, payload, sealed_worker=None, sealed=()):
+        """Decodes and handles one request, answering an error for a bad one.
+
+        `sealed`: the rest of a sealed message's frames (`seal.SealedFrame`s,
+        after its opened header `payload`): decoded from their sealed bytes
+        (as long as the rows) and opened before anything reads them. A frame
+        that does not open raises `seal.SealError`, and the request is not
+        handled (nor its sequence number taken).
+        """
         message = None
         try:
             message = protocol.decode(
-                payload, max_message_bytes=self.settings.max_message_bytes)
+                list(payload) + [f.sealed_view for f in sealed],
+                max_message_bytes=self.settings.max_message_bytes)
             if sealed_worker is not None and message.worker != sealed_worker:
                 raise RequestError(f"worker {sealed_worker}'s session sent a "
                                    f"request as worker {message.worker}")
             if sealed_worker is not None and message.type == MsgType.HELLO:
                 raise RequestError("HELLO goes over CURVE, not the sealed "
                                    "data channel")
+            if sealed and _opens_into_rows(message):
+                self._unopened = sealed[0]
+            else:
+                for frame in sealed:  # in place: the arrays see the rows
+                    frame.open()
             self._handle(identity, message)
+        except seal.SealError:
+            raise
         except RequestError as exc:
             self._refuse(identity, message, str(exc), exc.code)
         except ProtocolError as exc:
@@ -728,6 +787,8 @@ class ShardServer:
         except Exception as exc:  # a bug must not take the shard down
             log.exception("shard %d: internal error", self.shard_id)
             self._refuse(identity, message, f"internal error: {exc!r}")
+        finally:
+            self._unopened = None
 
     def _refuse(self, identity, message, error, code=None):
         self.stats["errors"] += 1
@@ -791,8 +852,12 @@ class ShardServer:
                 self._identities.get(worker) == identity and \
                 tracker.beyond(message.seq):
             raise self._seq_jump(worker, message.seq)
+        unopened = False
         try:
             self._handle_request(identity, message)
+        except seal.SealError:  # rows that did not open: not handled, and
+            unopened = True     # resent over the worker's next session
+            raise
         finally:
             # Every sequence number a registered worker's connection used is
             # answered for good, refusals and admin requests included (a
@@ -801,7 +866,8 @@ class ShardServer:
             # all, so the tracker keeps no gaps and its memory stays flat.
             # All but a jump (a refused HELLO of the same process's).
             tracker = self._seqs.get(worker)
-            if tracker is not None and not tracker.beyond(message.seq) and \
+            if tracker is not None and not unopened and \
+                    not tracker.beyond(message.seq) and \
                     self._identities.get(worker) == identity:
                 tracker.mark(message.seq)
 
@@ -1285,6 +1351,9 @@ class ShardServer:
             pending = table.pending[clk] = _Pending(table.pool.get(), base)
         if indexed:
             pending.add_indexed(index, rows)
+        elif self._unopened is not None:  # one sealed frame: checked above
+            pending.add_sealed(message.meta.get("chunk_row", 0), arrays[0],
+                               self._unopened)
         else:
             row = message.meta.get("chunk_row", 0)
             for array in arrays:

@@ -209,6 +209,80 @@ def test_strangers_on_the_data_socket_get_nothing(keys, curve_cluster):
         assert stats["messages_in"] - before <= 300 + 20
 
 
+class _HandSession:
+    """A sealed session driven by hand: HELLO over CURVE (keys of
+    "worker"), then requests sealed on the shard's data socket, each under
+    the next sequence number. `hello()` starts a new session (the worker's
+    sequence numbers go on)."""
+
+    def __init__(self, keys, shard, worker=0):
+        import zmq  # noqa: PLC0415
+        self._zmq, self._keys, self._shard = zmq, keys, shard
+        self.worker = worker
+        self.context = zmq.Context()
+        self.seqs = iter(range(1, 10 ** 6))
+        self.main = self.data = self.channel = None
+        self.hello()
+
+    def hello(self):
+        from keras_geeps import protocol, seal  # noqa: PLC0415
+        from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
+        zmq = self._zmq
+        if self.main is None:
+            self.main = self.context.socket(zmq.DEALER)
+            self.main.setsockopt(zmq.LINGER, 0)
+            worker_keys(self._keys).apply(self.main, 0)
+            self.main.connect(self._shard.address)
+        self.main.send_multipart(protocol.encode(Message(
+            MsgType.HELLO, worker=self.worker, seq=next(self.seqs), meta={
+                "num_workers": 1, "num_shards": 1, "incarnation": 0})))
+        assert self.main.poll(10000), "no WELCOME"
+        welcome = protocol.decode(self.main.recv_multipart())
+        assert welcome.type == MsgType.WELCOME, welcome.meta
+        port, session, c2s, s2c, token = welcome.meta["sealed"]
+        if self.data is not None:
+            self.data.close()
+        self.data = self.context.socket(zmq.DEALER)
+        self.data.setsockopt(zmq.LINGER, 0)
+        self.data.setsockopt(zmq.ROUTING_ID, bytes.fromhex(session))
+        self.data.plain_username, self.data.plain_password = (
+            session.encode(), token.encode())
+        self.data.connect(f"{self._shard.address.rsplit(':', 1)[0]}:{port}")
+        self.session = bytes.fromhex(session)
+        self.channel = seal.Channel(self.session, bytes.fromhex(c2s),
+                                    bytes.fromhex(s2c))
+
+    def sealed(self, kind, sealer=None, seq=None, **fields):
+        """A request's sealed frames (bytes), under the next sequence
+        number unless `seq`; sealed by `sealer` (a `seal.Channel`) if
+        given."""
+        from keras_geeps import protocol  # noqa: PLC0415
+        from keras_geeps.protocol import Message  # noqa: PLC0415
+        message = Message(kind, worker=self.worker,
+                          seq=next(self.seqs) if seq is None else seq,
+                          **fields)
+        return [bytes(f) for f in (sealer or self.channel).seal(
+            protocol.encode(message))]
+
+    def answers(self, timeout_ms=500):
+        """The sealed messages that come within `timeout_ms` of the last."""
+        from keras_geeps import protocol  # noqa: PLC0415
+        got = []
+        while self.data.poll(timeout_ms):
+            got.append(protocol.decode(self.channel.open(
+                self.data.recv_multipart(copy=False))))
+        return got
+
+    def refusal(self):
+        """The next message, in the clear: a refusal of the session."""
+        from keras_geeps import protocol  # noqa: PLC0415
+        assert self.data.poll(5000), "no answer"
+        return protocol.decode(self.data.recv_multipart())
+
+    def close(self):
+        self.context.destroy(linger=0)
+
+
 def test_forged_messages_in_a_live_session_are_dropped(keys, curve_cluster):
     """A session driven by hand (HELLO over CURVE, then the sealed data
     socket): messages sealed with a guessed key, replayed, tampered with or
@@ -216,76 +290,96 @@ def test_forged_messages_in_a_live_session_are_dropped(keys, curve_cluster):
     while the session's own requests before and after are served. A
     genuine message that follows one that was dropped tells the shard it
     lost it: the session ends (hello_required, in the clear)."""
-    import zmq  # noqa: PLC0415
-
     from keras_geeps import protocol, seal  # noqa: PLC0415
-    from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
+    from keras_geeps.protocol import MsgType  # noqa: PLC0415
 
-    shard = curve_cluster.shards[0]
-    context = zmq.Context()
+    hand = _HandSession(keys, curve_cluster.shards[0])
     try:
-        main = context.socket(zmq.DEALER)
-        main.setsockopt(zmq.LINGER, 0)
-        worker_keys(keys).apply(main, 0)
-        main.connect(shard.address)
-        main.send_multipart(protocol.encode(Message(
-            MsgType.HELLO, worker=0, seq=1, meta={
-                "num_workers": 1, "num_shards": 1, "incarnation": 0})))
-        assert main.poll(10000), "no WELCOME"
-        welcome = protocol.decode(main.recv_multipart())
-        port, session, c2s, s2c, token = welcome.meta["sealed"]
-        data = context.socket(zmq.DEALER)
-        data.setsockopt(zmq.LINGER, 0)
-        data.setsockopt(zmq.ROUTING_ID, bytes.fromhex(session))
-        data.plain_username, data.plain_password = (session.encode(),
-                                                    token.encode())
-        data.connect(f"{shard.address.rsplit(':', 1)[0]}:{port}")
-        channel = seal.Channel(bytes.fromhex(session), bytes.fromhex(c2s),
-                               bytes.fromhex(s2c))
-        seqs = iter(range(2, 10 ** 6))
-
-        def stats_request(sealer=channel):
-            return [bytes(f) for f in sealer.seal(protocol.encode(Message(
-                MsgType.STATS, worker=0, seq=next(seqs))))]
-
-        def answers():
-            got = []
-            while data.poll(500):
-                got.append(protocol.decode(channel.open(
-                    data.recv_multipart(copy=False))))
-            return got
-
         def errors():
-            data.send_multipart(stats_request())
-            (reply,) = answers()
+            hand.data.send_multipart(hand.sealed(MsgType.STATS))
+            (reply,) = hand.answers()
             return protocol.stats_of(reply)["errors"]
 
         before = errors()
-        guessed = seal.Channel(bytes.fromhex(session), b"k" * 32, b"k" * 32)
-        replayed = stats_request()
-        data.send_multipart(replayed)
-        assert len(answers()) == 1
-        forged = [stats_request(guessed), replayed]
+        guessed = seal.Channel(hand.session, b"k" * 32, b"k" * 32)
+        replayed = hand.sealed(MsgType.STATS)
+        hand.data.send_multipart(replayed)
+        assert len(hand.answers()) == 1
+        forged = [hand.sealed(MsgType.STATS, sealer=guessed), replayed]
         for frames in forged * 25:
-            data.send_multipart(frames)
-        assert answers() == []  # nothing forged is answered
+            hand.data.send_multipart(frames)
+        assert hand.answers() == []  # nothing forged is answered
         assert errors() == before + len(forged) * 25
         # Genuine messages altered on the way: a tag off, a frame cut.
-        tampered = stats_request()
+        tampered = hand.sealed(MsgType.STATS)
         tampered[-1] = tampered[-1][:-1] + bytes([tampered[-1][-1] ^ 1])
-        for frames in [tampered, stats_request()[:-1]] * 25:
-            data.send_multipart(frames)
-        assert answers() == []
+        for frames in [tampered, hand.sealed(MsgType.STATS)[:-1]] * 25:
+            hand.data.send_multipart(frames)
+        assert hand.answers() == []
         # The next genuine one shows two were lost: the session is over.
         for why in ("the session lost messages", "unknown session"):
-            data.send_multipart(stats_request())
-            assert data.poll(5000)
-            refusal = protocol.decode(data.recv_multipart())
+            hand.data.send_multipart(hand.sealed(MsgType.STATS))
+            refusal = hand.refusal()
             assert refusal.type == MsgType.ERROR
             assert refusal.meta["code"] == protocol.ERROR_HELLO_REQUIRED
             assert why in refusal.meta["error"]
     finally:
-        context.destroy(linger=0)
+        hand.close()
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_rows_that_do_not_open_change_nothing_and_are_taken_when_resent(
+        keys, curve_cluster, written):
+    """An UPDATE whose header opens but whose rows frame was altered (the
+    rows are opened straight into the clock's rows, or, where a row was
+    written already this clock, in place first) leaves the table as it
+    was: the session ends at once (hello_required) and the same sequence
+    number, resent over a new session, is applied, once."""
+    from keras_geeps import protocol  # noqa: PLC0415
+    from keras_geeps.protocol import MsgType  # noqa: PLC0415
+
+    rows, width = 64, 1024  # 256 KiB: a frame ZeroMQ does not copy
+    hand = _HandSession(keys, curve_cluster.shards[0])
+    try:
+        init = np.arange(rows * width, dtype=np.float32).reshape(rows, width)
+        hand.data.send_multipart(hand.sealed(
+            MsgType.CREATE, table=0, arrays=[init],
+            meta={"name": "t", "rows": rows, "width": width,
+                  "dtype": "float32", "row_start": 0, "row_end": rows,
+                  "chunk_row": 0}))
+        assert [m.type for m in hand.answers()] == [MsgType.ACK]
+        delta = np.full((rows, width), 0.5, np.float32)
+        update = {"table": 0, "clk": 0, "arrays": [delta],
+                  "meta": {"chunk_row": 0}}
+        if written:  # rows [8, 16) written already this clock
+            hand.data.send_multipart(hand.sealed(
+                MsgType.UPDATE, table=0, clk=0, arrays=[delta[8:16]],
+                meta={"chunk_row": 8}))
+        seq = next(hand.seqs)
+        tampered = hand.sealed(MsgType.UPDATE, seq=seq, **update)
+        rows_frame = bytearray(tampered[-1])
+        rows_frame[12345] ^= 4
+        tampered[-1] = bytes(rows_frame)
+        hand.data.send_multipart(tampered)
+        refusal = hand.refusal()
+        assert refusal.meta["code"] == protocol.ERROR_HELLO_REQUIRED
+        assert "did not open" in refusal.meta["error"]
+        hand.hello()
+        hand.data.send_multipart(hand.sealed(MsgType.UPDATE, seq=seq,
+                                             **update))
+        hand.data.send_multipart(hand.sealed(MsgType.CLOCK, table=0, clk=0))
+        hand.data.send_multipart(hand.sealed(MsgType.READ, table=0, clk=1))
+        got = {m.type: m for m in hand.answers()}
+        expected = init + delta
+        expected[8:16] += delta[8:16] if written else 0
+        np.testing.assert_array_equal(got[MsgType.ROWS].arrays[0], expected)
+        hand.data.send_multipart(hand.sealed(MsgType.STATS))
+        (reply,) = hand.answers()
+        stats = protocol.stats_of(reply)
+        assert stats["updates_applied"] == 1 + written
+        assert stats["duplicates"] == 0
+    finally:
+        hand.close()
 
 
 @pytest.mark.parametrize("same_data_port", [True, False])
