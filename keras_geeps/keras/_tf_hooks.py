@@ -49,6 +49,27 @@ from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
 
 
+def _creating_keras_variable(max_frames=16):
+    """The path of the Keras variable whose TF variable is being created
+    (the caller's callers), or None for a plain TF variable.
+
+    A TF variable's name carries TensorFlow's name scopes, which a layer
+    built lazily inside a traced step (a Sequential model without an
+    Input, a subclassed model) does not enter: its variables are named
+    plain 'kernel' and 'bias'. Its Keras variable, whose initialisation
+    creates it, knows its path ('model/dense/kernel').
+    """
+    frame = inspect.currentframe()
+    for _ in range(max_frames):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.Variable):
+            return owner.path
+    return None
+
+
 class GeePSExtended(one_device_strategy.OneDeviceExtended):
     """OneDevice placement plus three hooks into a `ParameterSync`."""
 
@@ -60,7 +81,8 @@ class GeePSExtended(one_device_strategy.OneDeviceExtended):
         variable = super()._create_variable(next_creator, **kwargs)
         trainable = kwargs.get("trainable")
         self._geeps_sync.track_variable(variable,
-                                        trainable is None or bool(trainable))
+                                        trainable is None or bool(trainable),
+                                        keras_path=_creating_keras_variable())
         return variable
 
     def _update(self, var, fn, args, kwargs, group):

@@ -63,9 +63,11 @@ def row_width(total, max_width=MAX_ROW_WIDTH):
     return best
 
 
-def layer_name(variable):
-    """The layer path of a TF variable ('model/dense/kernel:0' -> 'model/dense')."""
-    name = variable.name.split(":")[0]
+def layer_name(variable, keras_path=None):
+    """The layer path of a variable: of its Keras path if it has one
+    ('model/dense/kernel' -> 'model/dense'), else of its TF name
+    ('model/dense/kernel:0' -> 'model/dense')."""
+    name = keras_path or variable.name.split(":")[0]
     return name.rsplit("/", 1)[0] if "/" in name else name
 
 
@@ -219,14 +221,16 @@ class ParameterSync:
         return bool(self.tables)
 
     # --------------------------------------------------- strategy hooks
-    def track_variable(self, variable, trainable):
+    def track_variable(self, variable, trainable, keras_path=None):
         """Called for every variable created in the strategy's scope.
 
         A trainable one gets a table at the next step, also when created
-        after the first tables (a second model, a new head).
+        after the first tables (a second model, a new head): one table per
+        layer, named by `keras_path` (its Keras variable's path) when it
+        has one, else by its TF name.
         """
         if trainable:
-            self._candidates.append(variable)
+            self._candidates.append((variable, keras_path))
 
     def note_update(self, variable):
         """Called for every variable the optimizer updates (at trace time)."""
@@ -372,8 +376,8 @@ class ParameterSync:
                 after its table was built, or two models of the same name).
         """
         groups = {}
-        for variable in self._candidates:
-            key = (layer_name(variable), variable.dtype.name)
+        for variable, keras_path in self._candidates:
+            key = (layer_name(variable, keras_path), variable.dtype.name)
             groups.setdefault(key, []).append(variable)
         self._candidates = []
         existing = {layer.table.name for layer in self.tables}

@@ -69,6 +69,30 @@ def test_a_model_created_after_the_first_step_gets_its_tables(
                    zip(before, second.get_weights()))
 
 
+def test_layers_built_inside_the_first_step_get_a_table_each(strategy):
+    """Layers built lazily, inside the traced step (a Sequential model
+    without an Input), create TF variables named plain 'kernel' and
+    'bias': their tables are named by the Keras paths instead, one per
+    layer, and a second such model gets its own."""
+    sync = strategy.parameter_sync
+    models = []
+    for name in ("lazy", "lazier"):
+        with strategy.scope():
+            model = keras.Sequential([keras.layers.Dense(3, name="d"),
+                                      keras.layers.Dense(2, name="e")],
+                                     name=name)
+            model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+        _fit(model)
+        models.append(model)
+    assert {v.value.name for v in models[0].trainable_variables} <= {
+        "kernel:0", "bias:0"}, "TF names its lazy variables by path now"
+    assert [t.name for t in sync.tables] == [
+        "lazy/d", "lazy/e", "lazier/d", "lazier/e"]
+    assert [len(t.variables) for t in sync.tables] == [2] * 4
+    assert [t.table.clock for t in sync.tables] == [STEPS] * 4
+    _assert_weights_are_rows(strategy, sync.tables)
+
+
 def test_training_a_layer_created_outside_the_scope_is_a_clear_error(
         strategy):
     outside = keras.layers.Dense(2, name="outside")

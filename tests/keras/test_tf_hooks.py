@@ -27,7 +27,7 @@ def _model():
 def test_hooks_see_variables_updates_and_steps(thread_cluster):
     cluster = thread_cluster(1, 1)
     strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
-    calls = {"updates": 0, "steps": [], "tracked": 0}
+    calls = {"updates": 0, "steps": [], "tracked": 0, "paths": []}
     sync = strategy.parameter_sync
     real_note, real_wrap, real_track = (sync.note_update, sync.wrap_step,
                                         sync.track_variable)
@@ -40,9 +40,10 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         calls["steps"].append(is_train_step)
         return real_wrap(call, is_train_step)
 
-    def track(variable, trainable):
+    def track(variable, trainable, keras_path=None):
         calls["tracked"] += trainable
-        real_track(variable, trainable)
+        calls["paths"].append(keras_path)
+        real_track(variable, trainable, keras_path)
 
     sync.note_update, sync.wrap_step, sync.track_variable = note, wrap, track
     try:
@@ -53,6 +54,9 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         model.fit(x, np.ones((8, 2), np.float32), batch_size=4, verbose=0)
         model.evaluate(x, np.ones((8, 2), np.float32), verbose=0)
         assert calls["tracked"] == 4          # 2 kernels + 2 biases
+        assert [p for p in calls["paths"] if p and "/" in p][:4] == [
+            f"{model.name}/{layer}/{v}" for layer in "ab"
+            for v in ("kernel", "bias")]      # their Keras variables' paths
         assert calls["updates"] == 4          # once per variable, at trace
         assert calls["steps"][0] is True      # fit's train_step detected
         assert False in calls["steps"]        # evaluate's test_step too
