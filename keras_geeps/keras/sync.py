@@ -677,8 +677,8 @@ class ParameterSync:
         one worker with the combined batch keeps. So every table among
         `variables` is brought to every worker's last clock, `overwrite()`
         writes this worker's averages into the variables, each worker
-        pushes `(its average - rows) / num_workers` (whatever the update
-        mode) and clocks once more, and the tables are pulled again: every
+        pushes `(its average - rows) / live workers` (whatever the update
+        mode; the workers no shard declared dead) and clocks once more, and the tables are pulled again: every
         worker then holds the workers' mean average, as do the shards (a
         later `fit` goes on from it, as Keras' would). Collective: every
         worker's `fit` ends here (`Optimizer.finalize_variable_values`,
@@ -702,10 +702,18 @@ class ParameterSync:
             self.pull(index, full=True)
         overwrite()
         for index in reversed(indices):
-            self._send(index, scale=1.0 / self.client.num_workers)
+            self._send(index, scale=1.0 / self._live_workers())
         for index in indices:
             self.pull(index, full=True)
         return True
+
+    def _live_workers(self):
+        """The workers not declared dead (by any shard: under
+        `on_worker_failure="continue"` the others go on without them)."""
+        dead = set()
+        for stats in self.client.shard_stats():
+            dead.update(stats.get("dead_workers", ()))
+        return max(1, self.client.num_workers - len(dead))
 
     def pull_all(self, full=False):
         """Eagerly pulls every table (`full`: wait for every worker's last

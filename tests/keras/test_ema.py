@@ -94,3 +94,36 @@ def test_without_the_strategys_callbacks_too(thread_cluster):
         np.testing.assert_array_equal(_rows(strategy), _weights(model))
     finally:
         strategy.close()
+
+
+def test_the_mean_average_is_over_the_live_workers(thread_cluster):
+    """With `on_worker_failure="continue"` and worker 1 declared dead, the
+    workers' mean average is worker 0's own: it ends with its moving
+    averages, in its model and in the shards (not halfway to them, as
+    dividing by both workers would leave it)."""
+    import time  # noqa: PLC0415
+
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=0.5, on_worker_failure="continue"))
+    strategy = GeePSStrategy(client=cluster.client(
+        0, timeout=20, heartbeat_interval=0.1))
+    try:
+        lost = cluster.client(1, timeout=20, heartbeat_interval=0.1)
+        lost._io.close()  # dies without a word
+        deadline = time.monotonic() + 20
+        while not strategy.client.shard_stats()[0]["dead_workers"]:
+            assert time.monotonic() < deadline, "worker 1 not declared dead"
+            time.sleep(0.1)
+        with strategy.scope():
+            model = _compiled(use_ema=True)
+        _fit(model, strategy.callbacks())
+        averages = np.concatenate([
+            v.numpy().reshape(-1)
+            for v in model.optimizer._model_variables_moving_average])
+        np.testing.assert_allclose(_weights(model), averages, rtol=1e-6,
+                                   atol=1e-7)
+        np.testing.assert_array_equal(_rows(strategy), _weights(model))
+    finally:
+        strategy.close()
