@@ -23,8 +23,9 @@ wherever user code can see them between steps: `CallbackList`'s dispatch
 batches when a callback reads weights there), after `train_on_batch`, and
 in `finalize_variable_values` (the end of `fit`; under `use_ema` that
 makes the workers' mean moving averages the weights everywhere,
-`ParameterSync.finalize_moving_average`); and at `fit`'s start has the
-first step take the shards' rows, whatever weights were set since.
+`ParameterSync.finalize_moving_average`); and at `fit`'s start, and at
+each `train_on_batch`, has the first step take the shards' rows, whatever
+weights were set since.
 `install_fit_hooks` has the
 strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an epoch's logs
 by their mean over the workers before epoch-end callbacks, the final sync
@@ -262,6 +263,10 @@ def _install_catch_ups():
 
     @functools.wraps(train_on_batch)
     def train_on_batch_caught_up(self, *args, **kwargs):
+        # Each call, as each fit, starts from the shards' rows: weights set
+        # since the last call are this worker's alone, and a step measuring
+        # its update on them would push their difference to the shards.
+        _restart_model_from_shards(self)
         logs = train_on_batch(self, *args, **kwargs)
         _catch_up_model(self)
         return logs

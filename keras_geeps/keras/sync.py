@@ -573,7 +573,8 @@ class ParameterSync:
         """Has the next pull of each layer among `variables` assign the
         shards' rows, whether or not they changed since the last pull.
 
-        Called as `fit` begins (`_tf_hooks`): weights set between fits
+        Called as `fit` begins and before each `train_on_batch`
+        (`_tf_hooks`): weights set between fits or calls
         (`set_weights`, `load_weights`, `EarlyStopping(
         restore_best_weights=True)`) are this worker's alone, and a step
         starting from them would push their difference to the shards as

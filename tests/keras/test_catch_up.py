@@ -184,6 +184,19 @@ def test_measured_updates_are_caught_up_on_every_worker(thread_cluster):
             np.testing.assert_array_equal(mine, theirs)
 
 
+def _assert_one_plain_step(got, start, x, y):
+    """`got` is one plain Keras SGD(0.1) step on (x, y) from `start`."""
+    keras.utils.set_random_seed(1)
+    reference = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3),
+                                  keras.layers.Dense(2)])
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+    reference.set_weights(start)
+    reference.train_on_batch(x, y)
+    np.testing.assert_allclose(got, _weights(reference), rtol=1e-6,
+                               atol=1e-7)
+
+
 @pytest.mark.parametrize("capture", [True, False])
 def test_a_later_fit_goes_on_from_the_shards_values(thread_cluster,
                                                      capture):
@@ -208,12 +221,28 @@ def test_a_later_fit_goes_on_from_the_shards_values(thread_cluster,
         np.testing.assert_array_equal(got, _rows(strategy))
     finally:
         strategy.close()
-    keras.utils.set_random_seed(1)
-    reference = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3),
-                                  keras.layers.Dense(2)])
-    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                      jit_compile=False)
-    reference.set_weights(shards)
-    reference.train_on_batch(x[:BATCH], y[:BATCH])
-    np.testing.assert_allclose(got, _weights(reference), rtol=1e-6,
-                               atol=1e-7)
+    _assert_one_plain_step(got, shards, x[:BATCH], y[:BATCH])
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_each_train_on_batch_goes_on_from_the_shards_values(thread_cluster,
+                                                            capture):
+    """Weights set between `train_on_batch` calls stay this worker's, as
+    between fits: the next call's step starts from the shards' rows (one
+    plain Keras SGD step from them), and nothing of the set weights
+    reaches the shards, whether the update is captured or measured."""
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20),
+                             capture_updates=capture)
+    try:
+        model = small_model(strategy)
+        x, y = regression_data(BATCH)
+        model.train_on_batch(x, y)
+        shards = [w.copy() for w in model.get_weights()]
+        model.set_weights([w + 1.0 for w in shards])
+        model.train_on_batch(x, y)
+        got = _weights(model)
+        np.testing.assert_array_equal(got, _rows(strategy))
+    finally:
+        strategy.close()
+    _assert_one_plain_step(got, shards, x, y)
