@@ -12,7 +12,9 @@ an uncompressed numpy `.npz` archive with
 
 - `meta`: a uint8 array holding UTF-8 JSON: {"format": 1, "shard_id",
   "num_shards", "num_workers", "tables": {"<table id>": {"spec": {name,
-  rows, width, dtype, row_start, row_end}, "clock": C}}};
+  rows, width, dtype, row_start, row_end}, "clock": C}}, "left": [worker
+  ids]} ("left": the workers whose client had closed, which a restored
+  shard does not wait to hear from; absent in older files: none);
 - `table_<id>`: the table's rows on this shard at clock C
   (row_end - row_start rows of `width` elements; bfloat16 stored as its
   uint16 bits).
@@ -55,13 +57,15 @@ def checkpoint_path(directory, shard_id, num_shards):
                         f"shard-{shard_id}-of-{num_shards}.ckpt.npz")
 
 
-def write(directory, shard_id, num_shards, num_workers, snapshots):
+def write(directory, shard_id, num_shards, num_workers, snapshots,
+          left=()):
     """Atomically writes a shard's table snapshots.
 
     Args:
         directory: the checkpoint folder (created if missing).
         shard_id, num_shards, num_workers: the shard's place in the job.
         snapshots: {table_id: (spec dict, clock, rows array)}.
+        left: ids of the workers that left (closed their client).
 
     Returns:
         The checkpoint file's path.
@@ -70,7 +74,8 @@ def write(directory, shard_id, num_shards, num_workers, snapshots):
     meta = {"format": FORMAT, "shard_id": shard_id, "num_shards": num_shards,
             "num_workers": num_workers, "tables": {
                 str(tid): {"spec": spec, "clock": int(clock)}
-                for tid, (spec, clock, _) in snapshots.items()}}
+                for tid, (spec, clock, _) in snapshots.items()},
+            "left": sorted(int(w) for w in left)}
     arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
     for tid, (spec, _, rows) in snapshots.items():
         if spec["dtype"] == "bfloat16":
@@ -98,6 +103,11 @@ def write(directory, shard_id, num_shards, num_workers, snapshots):
 
 
 def load(directory, shard_id, num_shards, num_workers):
+    """Reads a shard's table snapshots (`load_job`'s first half)."""
+    return load_job(directory, shard_id, num_shards, num_workers)[0]
+
+
+def load_job(directory, shard_id, num_shards, num_workers):
     """Reads a shard's checkpoint.
 
     Args:
@@ -106,7 +116,8 @@ def load(directory, shard_id, num_shards, num_workers):
             the checkpoint must be for the same ones.
 
     Returns:
-        {table_id: (spec dict, clock, rows array)}.
+        ({table_id: (spec dict, clock, rows array)}, the set of the
+        workers that had left).
 
     Raises:
         CheckpointError: naming the file and what is wrong with it.
@@ -158,7 +169,13 @@ def load(directory, shard_id, num_shards, num_workers):
                                           f"{rows.shape}, spec says "
                                           f"{expected}")
                 tables[int(tid)] = (spec, clock, rows.copy())
-            return tables
+            left = meta.get("left", [])
+            if not isinstance(left, list) or not all(
+                    isinstance(w, int) and not isinstance(w, bool)
+                    and 0 <= w < num_workers for w in left):
+                raise CheckpointError(f"{path}: left {left!r} is not a list "
+                                      f"of worker ids in [0, {num_workers})")
+            return tables, set(left)
     except CheckpointError:
         raise
     except Exception as exc:  # zip/npz/JSON errors of many kinds

@@ -107,6 +107,8 @@ class MsgType(enum.IntEnum):
     HEARTBEAT = 15   # worker -> shard: still alive (no reply)
     CHECKPOINT = 16  # ask the shard to write a checkpoint now (ACK after)
     RELEASE = 17     # worker -> shard: done reading these shared buffers
+    LEAVE = 18       # worker -> shard: its client closes; silence from now
+    #                  on is no death (ACK)
 
 
 # Header keys and the Python types they must have. `meta` is a flat map of
@@ -130,10 +132,12 @@ _META_SCHEMA = {
     MsgType.WELCOME: {"shard_id": int, "num_shards": int, "num_workers": int,
                       "max_message_bytes": int, "max_pending_clocks": int,
                       "checkpoint_every": int, "shm": list, "shm_ok": bool,
-                      "sealed": list, "incarnation": int},
+                      "sealed": list, "incarnation": int, "watch": bool},
     # sealed: [data port, session, c2s key, s2c key, connect token] (hex;
     # keras_geeps.seal). incarnation: the shard process's random number (a
     # worker that says HELLO again tells a reconnect from a restart by it).
+    # watch: the shard declares silent workers dead (worker_timeout), so a
+    # worker that closes its client says LEAVE.
     # shm: the worker maps this shard's buffers (rows may come as refs).
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
                      "row_start": int, "row_end": int, "chunk_row": int,
@@ -164,6 +168,7 @@ _META_SCHEMA = {
     MsgType.HEARTBEAT: {},
     MsgType.CHECKPOINT: {},
     MsgType.RELEASE: {"arena": str, "buffers": list},  # buffer ids
+    MsgType.LEAVE: {},
 }
 
 # ERROR codes a client acts on (other errors carry no code).

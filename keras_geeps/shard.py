@@ -68,6 +68,7 @@ class ShardSettings:
             Defaults to 0.
         worker_timeout: seconds without any message (workers send
             heartbeats) after which a worker is dead; 0 disables the check.
+            A worker whose client closed (LEAVE) is not watched.
             Defaults to 0.
         on_worker_failure: "stop" (every worker gets an error naming the
             dead one) or "continue" (the clocks stop waiting for it; a
@@ -492,7 +493,11 @@ class ShardServer:
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
+        self._left = set()        # workers that closed their client (LEAVE)
+        self._left_changes = 0    # LEAVEs taken; how many a checkpoint
+        self._left_written = 0    # file holds
         self._started = None      # first HELLO or restore: liveness watch
+        self._restored_at = None  # a restore of a job under way: its time
         self._failed = None       # the error every request gets ("stop")
         self._writer = None       # the checkpoint-writing thread
         self._ckpt_requests = []  # (identity, seq) waiting for a CHECKPOINT
@@ -915,6 +920,9 @@ class ShardServer:
         if kind == MsgType.RELEASE:
             self._release(worker, message)
             return
+        if kind == MsgType.LEAVE:
+            self._leave(identity, message)
+            return
         handler = {
             MsgType.CREATE: self._create,
             MsgType.DECLARE: self._declare,
@@ -984,6 +992,9 @@ class ShardServer:
                 # have been cut off): one a death buried, or this one.
                 self._bury(worker, previous)
             self._incarnations[worker] = incarnation
+        if worker in self._left:  # back (a new client): a member again
+            self._left.discard(worker)
+            self._left_changes += 1
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
         if self._started is None:
@@ -994,7 +1005,8 @@ class ShardServer:
             "num_workers": self.num_workers,
             "max_message_bytes": self.settings.max_message_bytes,
             "max_pending_clocks": self.settings.max_pending_clocks,
-            "checkpoint_every": self.settings.checkpoint_every}
+            "checkpoint_every": self.settings.checkpoint_every,
+            "watch": bool(self.settings.worker_timeout)}
         # Its own number, whatever route the worker's later requests take
         # (with a sealed session: the data socket's, not this one).
         self._seqs[worker].mark(message.seq)
@@ -1438,6 +1450,7 @@ class ShardServer:
         table.vclock[worker] = clk + 1
         self._send(identity, Message(MsgType.ACK, table=table.id,
                                      seq=message.seq))
+        self._left_behind(table)
         self._maybe_advance(table)
 
     def _maybe_advance(self, table):
@@ -1584,6 +1597,8 @@ class ShardServer:
     def _housekeeping(self):
         if self._writer is not None and not self._writer.is_alive():
             written, ok = self._writer.written, self._writer.ok
+            if ok:
+                self._left_written = self._writer.left_changes
             self._writer = None
             for table_id, clock in written.items():
                 table = self._tables.get(table_id)
@@ -1608,14 +1623,19 @@ class ShardServer:
                          if t.snapshot is not None}
             if self._ckpt_requests or any(
                     clock > self._tables[tid].ckpt_clock
-                    for tid, (_, clock, _) in snapshots.items()):
+                    for tid, (_, clock, _) in snapshots.items()) or (
+                        self.settings.checkpoint_dir and
+                        self._left_changes != self._left_written):
                 self._start_writer(snapshots)
         self._watch_workers()
 
     def _watch_workers(self):
-        """Declares dead the workers silent for longer than worker_timeout,
-        and those that never said HELLO within STARTUP_GRACE_S of the job's
-        first HELLO (or of this shard's restore)."""
+        """Declares dead the workers silent for longer than worker_timeout
+        (after a restore of a job under way, each counts as heard from at
+        the restore: a live one says HELLO within a heartbeat), and those
+        that never said HELLO within STARTUP_GRACE_S of the job's first
+        HELLO (or of the restore of a job that had not passed clock 0).
+        Workers that left (LEAVE) are not watched."""
         timeout = self.settings.worker_timeout
         if not timeout or self._started is None:
             return
@@ -1623,13 +1643,16 @@ class ShardServer:
         for worker in range(self.num_workers):
             if self._failed is not None:
                 return
-            if worker in self._dead:
+            if worker in self._dead or worker in self._left:
                 continue
             seen = self._last_seen.get(worker)
             if seen is not None and now - seen > timeout:
+                since = (" since this shard's restore"
+                         if seen == self._restored_at else "")
                 self._worker_died(worker, (
-                    f"worker {worker} sent nothing for {now - seen:.1f} s "
-                    f"(worker_timeout={timeout:g} s): it died or hangs"))
+                    f"worker {worker} sent nothing{since} for "
+                    f"{now - seen:.1f} s (worker_timeout={timeout:g} s): it "
+                    f"died or hangs"))
             elif seen is None and now - self._started > max(
                     timeout, STARTUP_GRACE_S):
                 self._worker_died(worker, (
@@ -1638,19 +1661,23 @@ class ShardServer:
                     f"(or this shard's restore)"))
 
     def _start_writer(self, snapshots):
-        """Writes `snapshots` in a thread; the serve loop goes on meanwhile."""
+        """Writes `snapshots` (and who left) in a thread; the serve loop
+        goes on meanwhile."""
         writer = threading.Thread(target=self._write_checkpoint,
-                                  args=(snapshots,), daemon=True,
+                                  args=(snapshots, sorted(self._left)),
+                                  daemon=True,
                                   name=f"geeps-ckpt-{self.shard_id}")
         writer.written, writer.ok = {}, False
+        writer.left_changes = self._left_changes
         self._writer_acks = len(self._ckpt_requests)
         self._writer = writer
         writer.start()
 
-    def _write_checkpoint(self, snapshots):
+    def _write_checkpoint(self, snapshots, left):
         try:
             checkpoint.write(self.settings.checkpoint_dir, self.shard_id,
-                             self.num_shards, self.num_workers, snapshots)
+                             self.num_shards, self.num_workers, snapshots,
+                             left)
             writer = threading.current_thread()
             writer.written = {tid: clock
                               for tid, (_, clock, _) in snapshots.items()}
@@ -1681,8 +1708,9 @@ class ShardServer:
                 f"cannot write checkpoints to {directory}: {exc}") from exc
 
     def _restore(self):
-        tables = checkpoint.load(self.settings.checkpoint_dir, self.shard_id,
-                                 self.num_shards, self.num_workers)
+        tables, left = checkpoint.load_job(
+            self.settings.checkpoint_dir, self.shard_id, self.num_shards,
+            self.num_workers)
         nbytes = sum(2 * rows.nbytes for _, _, rows in tables.values())
         if len(tables) > self.settings.max_tables or \
                 nbytes > self.settings.max_table_bytes:
@@ -1704,6 +1732,16 @@ class ShardServer:
             table.restored = rows
             self._tables[table_id] = table
         self._started = time.monotonic()
+        self._left = set(left)
+        self._left_written = self._left_changes
+        if any(t.global_clock > 0 for t in self._tables.values()):
+            # Every worker had finished a clock: the live ones are running
+            # and say HELLO within a heartbeat; the silence of the others
+            # (one that died with this shard) counts from now.
+            self._restored_at = self._started
+            for worker in range(self.num_workers):
+                if worker not in self._left:
+                    self._last_seen[worker] = self._restored_at
         self.stats["restored_clock"] = min(
             (t.global_clock for t in self._tables.values()), default=-1)
         log.warning("shard %d restored %d tables from %s (clocks %s)",
@@ -1716,8 +1754,9 @@ class ShardServer:
                 f"worker_timeout); the job went on without it: restart it "
                 f"to rejoin")
 
-    def _worker_died(self, worker, error):
-        """Stops the job, or goes on without `worker` (on_worker_failure)."""
+    def _worker_died(self, worker, error, left=False):
+        """Stops the job, or goes on without `worker` (on_worker_failure);
+        one that `left` is not refused when it comes back."""
         if self.settings.on_worker_failure == "stop":
             self._failed = error + "; the job stops (on_worker_failure=stop)"
             log.error("shard %d: %s", self.shard_id, self._failed)
@@ -1732,10 +1771,11 @@ class ShardServer:
         # That process never takes the worker's place again (a replacement
         # may have), and is told so where it still listens (stalled, not
         # dead): over CURVE when it has a sealed session, whose sender
-        # closes now.
-        self._bury(worker, self._incarnations.get(worker))
-        told = self._curve_identities.get(worker) or \
-            self._identities.get(worker)
+        # closes now. (One that left closed its client: nothing to tell.)
+        if not left:
+            self._bury(worker, self._incarnations.get(worker))
+        told = None if left else (self._curve_identities.get(worker)
+                                  or self._identities.get(worker))
         if told is not None and not isinstance(told, tuple):
             self._send(told, Message(MsgType.ERROR, meta={
                 "error": self._declared_dead(worker),
@@ -1751,7 +1791,45 @@ class ShardServer:
         # Last: whoever sees it dead (stats, from another thread too) also
         # sees its buffers freed and its clocks no longer awaited.
         self._dead.add(worker)
+        self._left.discard(worker)
         self._prune_parked()
+
+    def _leave(self, identity, message):
+        """A worker whose client closes (LEAVE, answered with ACK once all
+        its earlier requests were handled): its silence from now on is no
+        death, until another worker goes on past the clocks it finished
+        (`_left_behind`). Its HELLO (a new client) makes it a member
+        again. Checkpoints remember who left."""
+        worker = message.worker
+        self._left.add(worker)
+        self._left_changes += 1
+        self._last_seen.pop(worker, None)
+        self._forget_shm(worker)  # (its client releases nothing more)
+        self._send(identity, Message(MsgType.ACK, seq=message.seq))
+        log.info("shard %d: worker %d left", self.shard_id, worker)
+        for table in list(self._tables.values()):
+            self._left_behind(table)
+
+    def _left_behind(self, table):
+        """A worker that left is needed after all where another went on
+        past the clocks it finished of `table`: the job stops, naming it,
+        or goes on without it (on_worker_failure)."""
+        if not self._left or self._failed is not None:
+            return
+        members = [w for w in range(self.num_workers)
+                   if w not in self._dead and w not in self._left]
+        if not members:
+            return
+        ahead = max(members, key=lambda w: int(table.vclock[w]))
+        for worker in sorted(self._left):
+            done = int(table.vclock[worker])
+            if done < table.vclock[ahead] and self._failed is None:
+                self._worker_died(worker, (
+                    f"worker {worker} left (closed its client) having "
+                    f"finished {done} clocks of table "
+                    f"{table.spec['name']!r}, and worker {ahead} went on to "
+                    f"finish {int(table.vclock[ahead])}: the clocks it left "
+                    f"undone never come"), left=True)
 
     def _bury(self, worker, incarnation):
         """That process of `worker` is refused from now on (its HELLO and
@@ -1811,7 +1889,8 @@ class ShardServer:
                     num_shards=self.num_shards, num_workers=self.num_workers,
                     tables=tables, held_bytes=self._held_bytes(),
                     workers=sorted(self._identities),
-                    dead_workers=sorted(self._dead), failed=self._failed,
+                    dead_workers=sorted(self._dead),
+                    left_workers=sorted(self._left), failed=self._failed,
                     parked_reads=len(self._parked),
                     shm_workers=sorted(self._shm_readers),
                     shm_buffers=sum(len(t.pool.shared)

@@ -432,7 +432,7 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
     doomed = cluster.client(1, timeout=20, heartbeat_interval=0.05)
     table = survivor.create_table("t", 4, 4)
     doomed.create_table("t", 4, 4)
-    doomed.close()  # its heartbeats stop
+    doomed._io.close()  # it dies: its heartbeats stop
     survivor.clock()
     with pytest.raises(GeePSWorkerFailedError, match="worker 1"):
         survivor.read(table, clock=1)
@@ -442,6 +442,7 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
         with pytest.raises(GeePSWorkerFailedError, match="worker 1"):
             survivor.update(table, np.ones((4, 4), np.float32))
     survivor.close()
+    doomed.close()
 
 
 def test_shards_checkpointing_at_different_intervals_are_refused(tmp_path):

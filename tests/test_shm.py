@@ -430,7 +430,7 @@ def test_a_dead_workers_buffers_are_freed(thread_cluster):
     survivor.read(table, clock=2)  # `kept` is the doomed worker's alone
     held = server.snapshot_stats()["shm_held"]
     assert held >= 1
-    doomed.close()  # its heartbeats stop; it never releases `kept`
+    doomed._io.close()  # it dies: no heartbeat, no RELEASE of `kept`
     deadline = time.monotonic() + 10
     while 1 not in server.snapshot_stats()["dead_workers"]:
         assert time.monotonic() < deadline, "the worker was never declared dead"
@@ -443,6 +443,31 @@ def test_a_dead_workers_buffers_are_freed(thread_cluster):
     survivor.clock()
     np.testing.assert_array_equal(survivor.read(table, clock=3), 5.0)
     survivor.close()
+    doomed.close()
+
+
+def test_a_worker_that_leaves_lets_go_of_its_buffers_at_once(thread_cluster):
+    """A client that closes (LEAVE) holds no shard buffer any more: the
+    shard takes its holds back then, not a worker_timeout later."""
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=30.0))
+    server = cluster.shards[0]
+    clients = [cluster.client(w, timeout=20) for w in range(2)]
+    tables = [c.create_table("t", 64, 64) for c in clients]
+    for client, t in zip(clients, tables):
+        client.update(t, np.ones((64, 64), np.float32))
+        client.clock()
+    assert clients[1].read_shared(tables[1]) is not None
+    held = server.snapshot_stats()["shm_held"]
+    assert held >= 1 and 1 in server.snapshot_stats()["shm_workers"]
+    clients[1].close()
+    stats = server.snapshot_stats()
+    assert stats["left_workers"] == [1] and stats["dead_workers"] == []
+    assert stats["shm_held"] <= held - 1 and 1 not in stats["shm_workers"]
+    np.testing.assert_array_equal(clients[0].read(tables[0]), 2.0)
+    clients[0].close()
 
 
 def test_read_my_writes_never_writes_into_shared_rows(thread_cluster):

@@ -37,6 +37,9 @@ log = logging.getLogger("keras_geeps.client")
 # the shard that took it may have died too, and its successor, which
 # refuses everything before a HELLO, would never answer the old one.
 RECOVERY_HELLO_RETRY_S = 5.0
+# How long `close` waits for the shards to take its LEAVE (at most the
+# client's timeout).
+LEAVE_WAIT_S = 5.0
 
 
 def _same_memory(a, b):
@@ -309,6 +312,7 @@ class GeePSClient:
         self._closed = False
         self._lost = {}  # shard -> why its tables are gone (restarted)
         self._shard_incarnations = {}  # shard -> its process's number
+        self._watching = set()  # shards that declare silent workers dead
         # shard -> {(table id, part)} whose replay its restart recovery has
         # still to send (while that recovery is under way)
         self._restoring = {}
@@ -415,6 +419,8 @@ class GeePSClient:
         """Notes which process `shard` is, and uses shared memory with it if
         both sides can map the other's."""
         self._shard_incarnations[shard] = welcome.meta.get("incarnation")
+        if welcome.meta.get("watch"):
+            self._watching.add(shard)
         self._shm_peers.pop(shard, None)
         self._shm_upload.discard(shard)
         meta = welcome.meta
@@ -1670,11 +1676,18 @@ class GeePSClient:
                            for s in range(self.cluster.num_shards)], "STOP")
 
     def close(self):
-        """Closes the connections; the client is unusable afterwards.
+        """Tells the shards this worker leaves, and closes the connections;
+        the client is unusable afterwards.
 
-        Threads waiting in the client, and every later call, raise
-        `GeePSError` ("... the client is closed").
+        The shards then take this worker's silence for no death (a shard
+        started with `--worker-timeout`), unless another worker goes on
+        past the clocks it finished: then the job stops naming it, or goes
+        on without it (`--on-worker-failure continue`). A new client of the
+        same worker id joins again. Threads waiting in the client, and every
+        later call, raise `GeePSError` ("... the client is closed").
         """
+        if not self._closed:
+            self._leave()
         with self._cond:
             self._closed = True
             self._cond.notify_all()  # wake `wait_fresh`
@@ -1682,6 +1695,32 @@ class GeePSClient:
             self._io.close()  # fails the requests still waiting
         if self._arena is not None:
             self._arena.close()
+
+    def _leave(self):
+        """Sends LEAVE to every shard that watches for silent workers, and
+        waits (LEAVE_WAIT_S at most) for their ACKs, which follow everything
+        sent before. Nothing when the
+        job stopped or the I/O thread failed; a shard that does not answer
+        is only logged (a worker_timeout there may then declare this
+        worker dead)."""
+        if self._io is None or self._job_failed is not None or \
+                self._io.failed is not None:
+            return
+        self._io.heartbeat_interval = 0  # (a late one would say HELLO)
+        futures = []
+        try:
+            for shard in sorted(self._watching):
+                if shard not in self._lost:
+                    futures.append(Future())
+                    self._queue(shard, Message(MsgType.LEAVE), futures[-1])
+            deadline = time.monotonic() + min(self.timeout, LEAVE_WAIT_S)
+            for future in futures:
+                self._await_reply(future, deadline, "LEAVE")
+        except GeePSError as exc:
+            log.warning("worker %d: closing without every shard hearing it "
+                        "leave: %s", self.worker_id, exc)
+        finally:
+            self._io.forget(futures)
 
     def __enter__(self):
         return self

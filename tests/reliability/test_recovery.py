@@ -1,5 +1,6 @@
 """Shard checkpoints, SIGKILL + restore with replay, worker failure."""
 
+import json
 import threading
 import time
 
@@ -68,6 +69,27 @@ def test_checkpoint_write_is_atomic_and_round_trips(tmp_path, monkeypatch):
         checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, clock, rows)})
         with pytest.raises(checkpoint.CheckpointError, match="clock"):
             checkpoint.load(tmp_path, 0, 2, 3)
+    # Who left travels with the tables; older files say nobody did.
+    checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, 10, rows)}, left=[2, 0])
+    assert checkpoint.load_job(tmp_path, 0, 2, 3)[1] == {0, 2}
+    checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, 10, rows)})
+    assert checkpoint.load_job(tmp_path, 0, 2, 3)[1] == set()
+    for bad in ([3], [-1], [True]):
+        checkpoint.write(tmp_path, 0, 2, 3, {}, left=[0])
+        _rewrite_meta(tmp_path / "shard-0-of-2.ckpt.npz", left=bad)
+        with pytest.raises(checkpoint.CheckpointError, match="left"):
+            checkpoint.load_job(tmp_path, 0, 2, 3)
+
+
+def _rewrite_meta(path, **changes):
+    """Rewrites a checkpoint's meta JSON with `changes` (a forged file)."""
+    with np.load(path) as archive:
+        arrays = dict(archive)
+    meta = json.loads(arrays["meta"].tobytes())
+    meta.update(changes)
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def _counter_workers(cluster, clocks, on_clock=None, timeout=60):
@@ -212,6 +234,133 @@ def test_dead_worker_continue_mode_and_rejoin(tmp_path):
                 assert client.read(table, clock=4)[0, 0] == 5.0
     finally:
         cluster.stop()
+
+
+def _two_workers_two_clocks(cluster, **kwargs):
+    """Clients of workers 0 and 1 that each added 1 to a 4 x 4 table "t"
+    at clocks 0 and 1. Returns [(client, table)] (the caller closes)."""
+    pairs = [(client, client.create_table("t", 4, 4)) for client in (
+        cluster.client(w, timeout=30, heartbeat_interval=0.2, **kwargs)
+        for w in range(2))]
+    for _ in range(2):
+        for client, table in pairs:
+            client.update(table, np.ones((4, 4), np.float32))
+            client.clock()
+    return pairs
+
+
+def test_a_worker_that_closed_its_client_is_not_taken_for_dead(
+        process_cluster):
+    """Worker 1 finishes and closes its client (LEAVE); worker 0 goes on
+    reading for longer than worker_timeout: no error. When worker 0 then
+    finishes a clock worker 1 never will, the job stops, naming it as one
+    that left. (Before LEAVE, the first read already failed: "worker 1
+    sent nothing".)"""
+    cluster = process_cluster(1, 2, output=None,
+                              shard_args=["--worker-timeout", "1.0"])
+    (client, table), (other, _) = _two_workers_two_clocks(cluster)
+    with client:
+        other.close()
+        time.sleep(2.0)
+        np.testing.assert_array_equal(client.read(table),
+                                      np.full((4, 4), 4.0))
+        stats = client.shard_stats()[0]
+        assert stats["left_workers"] == [1] and stats["dead_workers"] == []
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()
+        started = time.monotonic()
+        with pytest.raises(GeePSWorkerFailedError,
+                           match=r"worker 1 left \(closed its client\) "
+                                 r"having finished 2 clocks of table 't', "
+                                 r"and worker 0 went on to finish 3"):
+            client.read(table)
+        assert time.monotonic() - started < 10
+
+
+def test_under_continue_the_others_go_on_past_one_that_left_and_it_comes_back(
+        process_cluster):
+    cluster = process_cluster(1, 2, output=None, shard_args=[
+        "--worker-timeout", "1.0", "--on-worker-failure", "continue"])
+    (client, table), (other, _) = _two_workers_two_clocks(cluster)
+    with client:
+        other.close()
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table),
+                                      np.full((4, 4), 5.0))
+        # A new client of worker 1 (not refused: it left, it did not hang)
+        # joins at the current clock.
+        with cluster.client(1, timeout=30, heartbeat_interval=0.2) as again:
+            rejoined = again.create_table("t", 4, 4)
+            assert rejoined.clock == 3
+            again.update(rejoined, np.ones((4, 4), np.float32))
+            again.clock()
+            client.update(table, np.ones((4, 4), np.float32))
+            client.clock()
+            np.testing.assert_array_equal(client.read(table),
+                                          np.full((4, 4), 7.0))
+        assert client.shard_stats()[0]["left_workers"] == [1]
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_worker_that_dies_with_its_shard_is_noticed_after_the_restore(
+        tmp_path, process_cluster, policy):
+    """Worker 1 dies with the shard (one machine). The restored shard
+    counts each worker as heard from at the restore: worker 1 never says
+    HELLO, and is declared dead after worker_timeout (it was after 60 s,
+    past worker 0's 30 s timeout): worker 0 fails naming it, or goes on
+    without it."""
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2",
+            "--worker-timeout", "1.5", "--on-worker-failure", policy]
+    cluster = process_cluster(1, 2, shard_args=args, output=None)
+    (client, table), (other, _) = _two_workers_two_clocks(cluster)
+    with client:
+        client.read(table)
+        wait_for_checkpoint(client, table, 2)
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()  # clock 2: only in worker 0's log
+        victim = cluster.shards[0]
+        victim.kill()
+        other._io.close()  # worker 1 dies with it (no LEAVE)
+        cluster.shards[0] = victim.restart(["--restore"])
+        started = time.monotonic()
+        if policy == "stop":
+            with pytest.raises(GeePSWorkerFailedError,
+                               match=r"worker 1 sent nothing since this "
+                                     r"shard's restore"):
+                client.read(table)
+        else:
+            np.testing.assert_array_equal(client.read(table),
+                                          np.full((4, 4), 5.0))
+            assert client.shard_stats()[0]["dead_workers"] == [1]
+        assert time.monotonic() - started < 15
+
+
+def test_a_restored_shard_remembers_who_left(tmp_path, process_cluster):
+    """Worker 1 leaves after the last clock; the shard writes that down
+    (a checkpoint of the same clock); killed and restored, it does not
+    wait to hear from worker 1, and worker 0 goes on reading."""
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2",
+            "--worker-timeout", "1.0"]
+    cluster = process_cluster(1, 2, shard_args=args, output=None)
+    (client, table), (other, _) = _two_workers_two_clocks(cluster)
+    with client:
+        client.read(table)
+        wait_for_checkpoint(client, table, 2)
+        other.close()
+        deadline = time.monotonic() + 10
+        while checkpoint.load_job(tmp_path, 0, 1, 2)[1] != {1}:
+            assert time.monotonic() < deadline, "LEAVE not written down"
+            time.sleep(0.05)
+        _restart(cluster, 0, ["--restore"])
+        np.testing.assert_array_equal(client.read(table),
+                                      np.full((4, 4), 4.0))
+        time.sleep(2.0)
+        np.testing.assert_array_equal(client.read(table),
+                                      np.full((4, 4), 4.0))
+        stats = client.shard_stats()[0]
+        assert stats["restored_clock"] == 2
+        assert stats["left_workers"] == [1] and stats["dead_workers"] == []
 
 
 def _restart(cluster, shard, args):
