@@ -11,11 +11,11 @@ def worker_keys(keys, name="worker"):
     return ClientKeys(keys / f"{name}.key_secret", keys / "shard.key")
 
 
-def keyed_cluster(keys, workers=1, checkpoint=False):
+def keyed_cluster(keys, workers=1, checkpoint=False, shard_args=()):
     """A keyed shard process (1 shard, `workers` workers), with
-    checkpoints every 2 clocks if `checkpoint`."""
+    checkpoints every 2 clocks if `checkpoint`, and `shard_args`."""
     args = ["--curve-secret-key", str(keys / "shard.key_secret"),
-            "--curve-allowed-clients", str(keys / "allowed")]
+            "--curve-allowed-clients", str(keys / "allowed"), *shard_args]
     if checkpoint:
         args += ["--checkpoint-dir", str(keys / "ckpt"),
                  "--checkpoint-every", "2"]

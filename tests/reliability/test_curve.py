@@ -117,6 +117,30 @@ def test_keyed_client_reads_and_writes(keys, curve_cluster):
         np.testing.assert_array_equal(client.read(big), out)
 
 
+def test_a_keyed_worker_that_closes_is_not_taken_for_dead(keys):
+    """LEAVE travels sealed like every request: worker 1 closes its
+    client, and the shard (--worker-timeout 1) takes its silence for no
+    death while worker 0 goes on reading."""
+    cluster = keyed_cluster(keys, workers=2,
+                            shard_args=["--worker-timeout", "1.0"])
+    try:
+        clients = [cluster.client(w, timeout=20, curve=worker_keys(keys),
+                                  shared_memory=False,
+                                  heartbeat_interval=0.2) for w in range(2)]
+        tables = [c.create_table("t", 4, 4) for c in clients]
+        for client, table in zip(clients, tables):
+            client.update(table, np.ones((4, 4), np.float32))
+            client.clock()
+        clients[1].close()
+        time.sleep(2.0)
+        np.testing.assert_array_equal(clients[0].read(tables[0]), 2.0)
+        stats = clients[0].shard_stats()[0]
+        assert stats["left_workers"] == [1] and stats["dead_workers"] == []
+        clients[0].close()
+    finally:
+        cluster.stop()
+
+
 @pytest.mark.parametrize("who", ["unkeyed", "stranger"])
 def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
     """The HELLO times out, or (once the refused handshake left the socket
