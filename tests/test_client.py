@@ -445,6 +445,25 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
     doomed.close()
 
 
+def test_the_replay_log_bound_lies_between_two_checkpoints_and_a_replay(
+        tmp_path, thread_cluster):
+    """max_log_clocks holds at least the K clocks between two checkpoints
+    and at most the max_pending_clocks + 1 a restarted shard takes in a
+    replay; by default min(4 K + slack, max_pending_clocks + 1)."""
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 1, settings=ShardSettings(
+        shared_memory=False, checkpoint_dir=str(tmp_path),
+        checkpoint_every=5, max_pending_clocks=30))
+    for bad in (4, 32):
+        with pytest.raises(ValueError, match=r"max_log_clocks=\d+ must be "
+                                             r"in \[5, 31\]"):
+            cluster.client(0, timeout=10, max_log_clocks=bad)
+    for slack, default in ((0, 20), (3, 23), (20, 31)):
+        with cluster.client(0, timeout=10, slack=slack) as client:
+            assert client._max_log_clocks == default
+
+
 def test_shards_checkpointing_at_different_intervals_are_refused(tmp_path):
     """Shards that checkpoint at different intervals (or only some) would
     hold no consistent checkpoint of the job: connecting says so."""

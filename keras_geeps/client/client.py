@@ -40,6 +40,9 @@ RECOVERY_HELLO_RETRY_S = 5.0
 # How long `close` waits for the shards to take its LEAVE (at most the
 # client's timeout).
 LEAVE_WAIT_S = 5.0
+# How often a clock held back by a full replay log asks the shards how far
+# their checkpoints are.
+CHECKPOINT_POLL_S = 0.2
 
 
 def _same_memory(a, b):
@@ -267,6 +270,15 @@ class GeePSClient:
         shared_memory: exchange rows with shards on this host through
             shared memory (`keras_geeps.shm`) when the handshake succeeds.
             Defaults to True unless `KERAS_GEEPS_SHM=0`.
+        max_log_clocks: with shard checkpoints (`--checkpoint-every K`),
+            a worker keeps every update the checkpoints do not cover yet,
+            to replay to a restarted shard; a `clock()` that finds this
+            many clocks kept waits (up to `timeout`, then
+            `GeePSTimeoutError`) for the shards to write one, so a slow or
+            failing disk slows the worker rather than filling its memory,
+            and a restarted shard never gets a replay longer than it takes
+            (max_pending_clocks + 1 clocks). Defaults to min(4 K + slack,
+            max_pending_clocks + 1).
 
     Example:
 
@@ -283,7 +295,8 @@ class GeePSClient:
     def __init__(self, cluster=None, slack=0, timeout=120.0,
                  read_my_writes=False, initializer=0,
                  chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
-                 heartbeat_interval=1.0, curve=None, shared_memory=None):
+                 heartbeat_interval=1.0, curve=None, shared_memory=None,
+                 max_log_clocks=None):
         self.cluster = cluster or ClusterSpec.from_env()
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack}")
@@ -328,6 +341,7 @@ class GeePSClient:
         self.shm_bytes_out = 0
         self._arena = self._io = None
         self._keep_log = False  # set from the shards' welcomes
+        self._max_log_clocks = max_log_clocks
         try:
             self._connect(shared_memory, heartbeat_interval)
         except BaseException:
@@ -376,12 +390,20 @@ class GeePSClient:
             log.warning("slack %d capped to %d by the shards' "
                         "max_pending_clocks", self.slack, bound)
             self.slack = bound
-        if every[0] and every[0] - 1 + self.slack > bound:
-            log.warning("slack %d with checkpoints every %d clocks: a "
-                        "restarted shard may refuse this worker's replay, "
-                        "which can run %d clocks ahead of the restored clock "
-                        "(max_pending_clocks=%d)", self.slack, every[0],
-                        every[0] - 1 + self.slack, bound)
+        if self._keep_log:
+            # The log holds at least the clocks between two checkpoints,
+            # and at most as many as a restarted shard takes in a replay
+            # (max_pending_clocks past its restored clock).
+            most = bound + 1
+            if self._max_log_clocks is None:
+                self._max_log_clocks = min(4 * every[0] + self.slack, most)
+            elif not every[0] <= self._max_log_clocks <= most:
+                raise ValueError(
+                    f"max_log_clocks={self._max_log_clocks} must be in "
+                    f"[{every[0]}, {most}]: at least the clocks between two "
+                    f"checkpoints (--checkpoint-every {every[0]}), at most "
+                    f"a replay a restarted shard takes (max_pending_clocks "
+                    f"+ 1)")
         # A shard drops the connection of a peer whose frame exceeds its
         # max_message_bytes: row chunks stay within the smallest limit.
         self.max_frame_bytes = min(
@@ -838,14 +860,7 @@ class GeePSClient:
             # Its counter was taken: the link lost it as a break would.
             self._io.break_link(shard, f"lost a chunk ({exc})")
             return
-        ckpt = message.meta.get("ckpt", -1)
-        if ckpt > table.part_ckpt[part]:
-            with self._clock_lock:
-                table.part_ckpt[part] = ckpt
-                table.init.pop(part, None)  # the checkpoint holds them now
-                covered = int(table.part_ckpt.min())
-                for clk in [c for c in table.log if c < covered]:
-                    del table.log[clk]
+        self._note_checkpoint(table, part, message.meta.get("ckpt", -1))
         if restart:
             incoming[:] = [message.clk, 0, {}, 0]
         incoming[2][begin] = rows
@@ -876,6 +891,17 @@ class GeePSClient:
                 del table.own[clk]
         with self._cond:
             self._cond.notify_all()
+
+    def _note_checkpoint(self, table, part, ckpt):
+        """`part`'s shard wrote `table` durably at clock `ckpt`: the replay
+        log drops the clocks every part's checkpoint covers."""
+        if ckpt > table.part_ckpt[part]:
+            with self._clock_lock:
+                table.part_ckpt[part] = ckpt
+                table.init.pop(part, None)  # the checkpoint holds them now
+                covered = int(table.part_ckpt.min())
+                for clk in [c for c in table.log if c < covered]:
+                    del table.log[clk]
 
     def _place(self, table, part, age, begin, rows, frame, restart):
         """The rows of a chunk as the cache keeps them: put into the buffer
@@ -1519,6 +1545,8 @@ class GeePSClient:
         for table in tables:
             if isinstance(table, str):
                 table = self._by_name[table]
+            if self._keep_log and len(table.log) >= self._max_log_clocks:
+                self._wait_for_checkpoint(table)
             with self._clock_lock:  # a replay sees every clock whole or not
                 buffer = self._send_update(table)
                 if self._keep_log:
@@ -1527,6 +1555,43 @@ class GeePSClient:
                     self._send(shard, Message(MsgType.CLOCK, table.id,
                                               clk=table.clock))
                 table.clock += 1
+
+    def _wait_for_checkpoint(self, table):
+        """Holds this clock back while `table`'s replay log holds
+        `max_log_clocks` clocks: the shards' checkpoints lag that far (a
+        slow or failing disk), and the log, kept until they cover it, would
+        grow without end. Asks the shards for their checkpoint clocks
+        meanwhile: a slow disk slows the worker to its pace.
+
+        Raises:
+            GeePSTimeoutError: no checkpoint came within `timeout`, naming
+                the clocks the shards' checkpoints are at.
+        """
+        deadline = time.monotonic() + self.timeout
+        shards = sorted({shard for shard, _, _ in table.parts})
+        while len(table.log) >= self._max_log_clocks:
+            self._raise_async_errors()
+            if time.monotonic() >= deadline:
+                at = {shard: int(table.part_ckpt[part])
+                      for part, (shard, _, _) in enumerate(table.parts)}
+                raise GeePSTimeoutError(
+                    f"worker {self.worker_id}: the replay log of table "
+                    f"{table.name!r} holds {len(table.log)} clocks (from "
+                    f"clock {min(table.log)}), max_log_clocks="
+                    f"{self._max_log_clocks}, and the shards wrote no "
+                    f"checkpoint of it past clocks {at} (shard: clock) in "
+                    f"{self.timeout:.1f} s: is a shard's --checkpoint-dir "
+                    f"full or failing? (see the shard's log)")
+            replies = self._request_all(
+                [(s, Message(MsgType.STATS)) for s in shards], "STATS")
+            for shard, reply in zip(shards, replies):
+                entry = protocol.stats_of(reply)["tables"].get(str(table.id))
+                for part, (s, _, _) in enumerate(table.parts):
+                    if s == shard and entry is not None:
+                        self._note_checkpoint(table, part,
+                                              entry["ckpt_clock"])
+            if len(table.log) >= self._max_log_clocks:
+                time.sleep(CHECKPOINT_POLL_S)
 
     def _send_update(self, table):
         """Sends this clock's update of `table`; returns it (the array the

@@ -9,7 +9,8 @@ import pytest
 import zmq
 
 from keras_geeps import checkpoint, protocol
-from keras_geeps.errors import GeePSError, GeePSWorkerFailedError
+from keras_geeps.errors import (GeePSError, GeePSTimeoutError,
+                                GeePSWorkerFailedError)
 from keras_geeps.launch import LocalCluster
 from keras_geeps.shard import ShardSettings
 from tests.reliability.restarts import (ask_across_a_restart,
@@ -381,6 +382,43 @@ def _block_checkpoints(folder):
         folder.unlink()
         away.rename(folder)
     return undo
+
+
+def test_a_failing_checkpoint_disk_holds_the_clock_back_not_memory(
+        tmp_path, process_cluster):
+    """Checkpoints every 2 clocks, and the shard's folder fails: the
+    worker's replay log fills up to max_log_clocks (4 K = 8), and the next
+    clock waits for a checkpoint, failing after the timeout with the cause,
+    nothing sent. With the disk back, a clock waits only until the shard
+    wrote one (its retry backs off: up to some seconds), and nothing is
+    lost or applied twice."""
+    folder = tmp_path / "ckpt"
+    args = ["--checkpoint-dir", str(folder), "--checkpoint-every", "2"]
+    cluster = process_cluster(1, 1, shard_args=args, output=None)
+    with cluster.client(0, timeout=3, heartbeat_interval=0.2) as client:
+        table = client.create_table("t", 4, 4)
+        undo = _block_checkpoints(folder)
+        for _ in range(8):
+            client.update(table, np.ones((4, 4), np.float32))
+            client.clock()
+            client.read(table)
+        assert len(table.log) == 8
+        started = time.monotonic()
+        with pytest.raises(GeePSTimeoutError,
+                           match=r"the replay log of table 't' holds 8 "
+                                 r"clocks .* --checkpoint-dir full or "
+                                 r"failing"):
+            client.clock()
+        assert 3 <= time.monotonic() - started < 8
+        assert table.clock == 8  # that clock was not sent
+        undo()
+        client.timeout = 30  # the shard's retry comes after its back-off
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()
+        assert len(table.log) < 8
+        np.testing.assert_array_equal(client.read(table), 9.0)
+        assert client.shard_stats()[0]["tables"][str(table.id)][
+            "ckpt_clock"] >= 2
 
 
 @pytest.mark.parametrize("late_table", [False, True])
