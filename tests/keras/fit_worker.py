@@ -7,6 +7,7 @@ parameter-server figures to --out/worker<w>.npz / .json.
 import argparse
 import json
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -77,6 +78,28 @@ class DieAt(keras.callbacks.Callback):
             os._exit(self.code)
 
 
+class KillShardAt(keras.callbacks.Callback):
+    """SIGKILLs shard `shard` once, at batch `step` of epoch `epoch` (the
+    launcher, with shard_restarts, starts it again with --restore)."""
+
+    def __init__(self, client, shard, epoch, step):
+        super().__init__()
+        self.client, self.shard = client, shard
+        self.epoch, self.step = epoch, step
+        self.current_epoch, self.done = 0, False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.done and self.current_epoch == self.epoch and \
+                batch == self.step:
+            pid = self.client.shard_stats()[self.shard]["pid"]
+            print(f"killing shard {self.shard} (pid {pid})", flush=True)
+            os.kill(pid, signal.SIGKILL)
+            self.done = True
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -104,6 +127,9 @@ def main():
                         help="keras.callbacks.BackupAndRestore folder")
     parser.add_argument("--die-all-at", default="",
                         help="EPOCH:BATCH where every worker exits (code 9)")
+    parser.add_argument("--kill-shard-at", default="",
+                        help="SHARD:EPOCH:BATCH where worker 0 SIGKILLs "
+                        "that shard")
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -129,6 +155,9 @@ def main():
     if args.early_stop:  # first: before strategy.callbacks() on purpose
         callbacks[:0] = [keras.callbacks.EarlyStopping(
             monitor="val_loss", patience=0, restore_best_weights=True), sums]
+    if args.kill_shard_at and w == 0:
+        shard, epoch, batch = map(int, args.kill_shard_at.split(":"))
+        callbacks.append(KillShardAt(strategy.client, shard, epoch, batch))
     if args.die_all_at:
         epoch, batch = map(int, args.die_all_at.split(":"))
         callbacks.append(DieAt(batch, epoch, code=9))
