@@ -1922,8 +1922,11 @@ def build_parser(parser=None):
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="snapshot each table every K clocks (0: only "
                              "on request)")
-    parser.add_argument("--restore", action="store_true",
-                        help="start from --checkpoint-dir's checkpoint")
+    parser.add_argument("--restore", action="append", nargs="?",
+                        const=True, metavar="DIR",
+                        help="start from the checkpoint in DIR, which is "
+                             "then the --checkpoint-dir too, or (without "
+                             "DIR) in --checkpoint-dir")
     parser.add_argument("--worker-timeout", type=float, default=0.0,
                         help="seconds of silence after which a worker is "
                              "dead (0: never)")
@@ -1945,11 +1948,29 @@ def build_parser(parser=None):
     return parser
 
 
+def _restore_folder(args):
+    """Folds `--restore DIR` into args.checkpoint_dir; args.restore becomes
+    a bool. (--restore may repeat: a launcher appends it on a restart.)"""
+    folders = {f for f in args.restore or () if isinstance(f, str)}
+    if args.checkpoint_dir is not None:
+        folders.add(args.checkpoint_dir)
+    if len({os.path.realpath(f) for f in folders}) > 1:
+        raise SystemExit(f"keras-geeps shard: --restore and "
+                         f"--checkpoint-dir name different folders "
+                         f"({', '.join(sorted(folders))}): a restored shard "
+                         f"goes on writing its checkpoints where it was "
+                         f"restored from")
+    if args.restore and folders and args.checkpoint_dir is None:
+        args.checkpoint_dir = folders.pop()
+    args.restore = bool(args.restore)
+
+
 def run_from_args(args):
     """Runs a shard process from parsed flags until STOP or SIGTERM."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s "
                                "%(message)s")
+    _restore_folder(args)
     try:
         settings = ShardSettings(
             max_message_bytes=args.max_message_bytes,
@@ -1964,7 +1985,8 @@ def run_from_args(args):
         raise SystemExit(f"keras-geeps shard: {exc}") from exc
     if args.restore and not args.checkpoint_dir:
         raise SystemExit("--restore needs --checkpoint-dir (the folder the "
-                         "shard wrote its checkpoints to)")
+                         "shard wrote its checkpoints to) or a folder: "
+                         "--restore DIR")
     curve = None
     if args.curve_secret_key or args.curve_allowed_clients:
         if not (args.curve_secret_key and args.curve_allowed_clients):

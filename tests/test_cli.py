@@ -57,6 +57,40 @@ def test_shard_restore_without_a_checkpoint_fails_in_one_line(tmp_path):
     assert "checkpoint_every must be >= 0, not -2" in result.stderr
 
 
+def test_shard_restore_dir_restores_from_and_checkpoints_to_dir(
+        process_cluster, tmp_path):
+    """`keras-geeps shard --restore DIR` restores from DIR and goes on
+    writing checkpoints there (as `--checkpoint-dir DIR --restore`); a
+    launcher's appended `--restore` keeps DIR; two folders are refused."""
+    from keras_geeps.launch import ShardProcess  # noqa: PLC0415
+    from tests.reliability.restarts import (  # noqa: PLC0415
+        counted_to_a_checkpoint, wait_for_checkpoint)
+
+    cluster = process_cluster(1, 1, output=None, shard_args=[
+        "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"])
+    with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
+        table = counted_to_a_checkpoint(client)
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()  # clock 2: only in the worker's log
+        victim = cluster.shards[0]
+        victim.kill()
+        cluster.shards[0] = ShardProcess(
+            0, 1, 1, ["--restore", str(tmp_path), "--checkpoint-every", "2",
+                      "--restore"], output=None, bind=victim.address)
+        np.testing.assert_array_equal(client.read(table), 3.0)
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table), 4.0)
+        assert client.shard_stats()[0]["restored_clock"] == 2
+        wait_for_checkpoint(client, table, 4)  # written to DIR again
+    result = _cli("shard", "--shard-id", "0", "--num-shards", "1",
+                  "--num-workers", "1", "--restore", str(tmp_path),
+                  "--checkpoint-dir", str(tmp_path / "other"))
+    assert result.returncode == 1
+    assert "--restore and --checkpoint-dir name different folders" in \
+        result.stderr
+
+
 def test_launch_requires_a_command():
     result = _cli("launch", "--workers", "1", "--shards", "1")
     assert result.returncode == 2
