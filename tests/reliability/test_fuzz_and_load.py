@@ -37,6 +37,7 @@ SEEDS = [Message(kind, table=0, clk=0, worker=0, seq=5, arrays=arrays,
     (MsgType.UPDATE, [], {"chunk_row": 0, "ref": [1, 3, 0, 128]}),
     (MsgType.READ, [], {"shm": True}),
     (MsgType.RELEASE, [], {"arena": "00" * 16, "buffers": [1, 2]}),
+    (MsgType.LEAVE, [], {}),  # (a stranger's: the worker stays a member)
 ]]
 
 
