@@ -12,6 +12,7 @@ every worker's updates of all clocks up to c - s - 1. Slack 0 is BSP; a
 large slack approximates asynchronous training.
 """
 
+import atexit
 import collections
 import functools
 import itertools
@@ -19,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -40,6 +42,7 @@ RECOVERY_HELLO_RETRY_S = 5.0
 # How long `close` waits for the shards to take its LEAVE (at most the
 # client's timeout).
 LEAVE_WAIT_S = 5.0
+AT_EXIT_LEAVE_WAIT_S = 1.0  # (at the interpreter's exit: shards may be gone)
 # How often a clock held back by a full replay log asks the shards how far
 # their checkpoints are.
 CHECKPOINT_POLL_S = 0.2
@@ -248,6 +251,19 @@ class Table:
                 f"{self.dtype.name}, parts={self.parts})")
 
 
+def _close_at_exit(client):
+    """An exit hook that closes `client` if it is still alive and open: a
+    script that ends without `close()` still says LEAVE (its shards must
+    not take the end for a death)."""
+    ref = weakref.ref(client)
+
+    def close():
+        alive = ref()
+        if alive is not None and not alive._closed:
+            alive._close(AT_EXIT_LEAVE_WAIT_S)
+    return close
+
+
 class GeePSClient:
     """A worker's connection to the keras_geeps shards.
 
@@ -342,11 +358,14 @@ class GeePSClient:
         self._arena = self._io = None
         self._keep_log = False  # set from the shards' welcomes
         self._max_log_clocks = max_log_clocks
+        self._at_exit = None
         try:
             self._connect(shared_memory, heartbeat_interval)
         except BaseException:
             self.close()  # the arena's descriptors, the I/O thread
             raise
+        self._at_exit = _close_at_exit(self)
+        atexit.register(self._at_exit)
 
     def _connect(self, shared_memory, heartbeat_interval):
         """Opens the arena and the connections, and greets every shard."""
@@ -1748,11 +1767,19 @@ class GeePSClient:
         started with `--worker-timeout`), unless another worker goes on
         past the clocks it finished: then the job stops naming it, or goes
         on without it (`--on-worker-failure continue`). A new client of the
-        same worker id joins again. Threads waiting in the client, and every
-        later call, raise `GeePSError` ("... the client is closed").
+        same worker id joins again. A client still open when the
+        interpreter exits is closed then (atexit). Threads waiting in the
+        client, and every later call, raise `GeePSError` ("... the client
+        is closed").
         """
+        self._close(LEAVE_WAIT_S)
+
+    def _close(self, leave_wait):
         if not self._closed:
-            self._leave()
+            self._leave(leave_wait)
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
         with self._cond:
             self._closed = True
             self._cond.notify_all()  # wake `wait_fresh`
@@ -1761,13 +1788,12 @@ class GeePSClient:
         if self._arena is not None:
             self._arena.close()
 
-    def _leave(self):
+    def _leave(self, wait):
         """Sends LEAVE to every shard that watches for silent workers, and
-        waits (LEAVE_WAIT_S at most) for their ACKs, which follow everything
-        sent before. Nothing when the
-        job stopped or the I/O thread failed; a shard that does not answer
-        is only logged (a worker_timeout there may then declare this
-        worker dead)."""
+        waits `wait` seconds at most for their ACKs, which follow everything
+        sent before. Nothing when the job stopped or the I/O thread failed;
+        a shard that does not answer is only logged (a worker_timeout there
+        may then declare this worker dead)."""
         if self._io is None or self._job_failed is not None or \
                 self._io.failed is not None:
             return
@@ -1778,7 +1804,7 @@ class GeePSClient:
                 if shard not in self._lost:
                     futures.append(Future())
                     self._queue(shard, Message(MsgType.LEAVE), futures[-1])
-            deadline = time.monotonic() + min(self.timeout, LEAVE_WAIT_S)
+            deadline = time.monotonic() + min(self.timeout, wait)
             for future in futures:
                 self._await_reply(future, deadline, "LEAVE")
         except GeePSError as exc:

@@ -1,6 +1,8 @@
 """Shard checkpoints, SIGKILL + restore with replay, worker failure."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -276,6 +278,37 @@ def test_a_worker_that_closed_its_client_is_not_taken_for_dead(
                                  r"and worker 0 went on to finish 3"):
             client.read(table)
         assert time.monotonic() - started < 10
+
+
+def test_a_worker_script_that_ends_without_close_leaves_all_the_same(
+        process_cluster):
+    """Worker 1 is a process whose script ends without `close()`: its
+    client closes at the interpreter's exit and says LEAVE, so worker 0,
+    still reading after worker_timeout, gets no error."""
+    cluster = process_cluster(1, 2, output=None,
+                              shard_args=["--worker-timeout", "1.0"])
+    script = (
+        "import numpy as np\n"
+        "from keras_geeps.client import GeePSClient\n"
+        "from keras_geeps.cluster import ClusterSpec\n"
+        f"c = GeePSClient(ClusterSpec([{cluster.addresses[0]!r}], 2, 1),\n"
+        "                timeout=30, heartbeat_interval=0.2)\n"
+        "t = c.create_table('t', 4, 4)\n"
+        "c.update(t, np.ones((4, 4), np.float32))\n"
+        "c.clock()\n"
+        "print('done', c.read(t)[0, 0], flush=True)\n")
+    with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
+        table = client.create_table("t", 4, 4)
+        client.update(table, np.ones((4, 4), np.float32))
+        client.clock()
+        result = subprocess.run([sys.executable, "-c", script],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert "done 2.0" in result.stdout
+        time.sleep(2.0)
+        np.testing.assert_array_equal(client.read(table), 2.0)
+        stats = client.shard_stats()[0]
+        assert stats["left_workers"] == [1] and stats["dead_workers"] == []
 
 
 def test_under_continue_the_others_go_on_past_one_that_left_and_it_comes_back(
