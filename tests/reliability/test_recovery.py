@@ -430,6 +430,9 @@ def test_a_failing_checkpoint_disk_holds_the_clock_back_not_memory(
     cluster = process_cluster(1, 1, shard_args=args, output=None)
     with cluster.client(0, timeout=3, heartbeat_interval=0.2) as client:
         table = client.create_table("t", 4, 4)
+        # (its clock-0 checkpoint written first: a writer under way would
+        # make the folder again)
+        wait_for_checkpoint(client, table, 0)
         undo = _block_checkpoints(folder)
         for _ in range(8):
             client.update(table, np.ones((4, 4), np.float32))
