@@ -255,11 +255,13 @@ def _close_at_exit(client):
     """An exit hook that closes `client` if it is still alive and open: a
     script that ends without `close()` still says LEAVE (its shards must
     not take the end for a death)."""
-    ref = weakref.ref(client)
+    ref, pid = weakref.ref(client), os.getpid()
 
     def close():
         alive = ref()
-        if alive is not None and not alive._closed:
+        # (not in a forked child: the client's threads and sockets are the
+        # parent's)
+        if alive is not None and not alive._closed and os.getpid() == pid:
             alive._close(AT_EXIT_LEAVE_WAIT_S)
     return close
 

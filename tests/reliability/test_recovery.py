@@ -311,6 +311,39 @@ def test_a_worker_script_that_ends_without_close_leaves_all_the_same(
         assert stats["left_workers"] == [1] and stats["dead_workers"] == []
 
 
+def test_a_forked_child_does_not_close_its_parents_client(process_cluster):
+    """A child forked from a worker (and ending normally, atexit hooks
+    run) leaves the parent's client alone: no LEAVE, no wait."""
+    cluster = process_cluster(1, 1, output=None,
+                              shard_args=["--worker-timeout", "30"])
+    script = (
+        "import os, sys, time\n"
+        "import numpy as np\n"
+        "from keras_geeps.client import GeePSClient\n"
+        "from keras_geeps.cluster import ClusterSpec\n"
+        f"c = GeePSClient(ClusterSpec([{cluster.addresses[0]!r}]),\n"
+        "                timeout=30, heartbeat_interval=0.2)\n"
+        "t = c.create_table('t', 4, 4)\n"
+        "started = time.monotonic()\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(child, 0)\n"
+        "print('child took', round(time.monotonic() - started, 2))\n"
+        "print('left', c.shard_stats()[0]['left_workers'])\n"
+        "c.update(t, np.ones((4, 4), np.float32))\n"
+        "c.clock()\n"
+        "print('read', c.read(t)[0, 0], flush=True)\n")
+    result = subprocess.run([sys.executable, "-c", script],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "left []" in lines and "read 1.0" in lines, result.stdout
+    took = float(next(x for x in lines if x.startswith("child took"))
+                 .split()[-1])
+    assert took < 0.9, result.stdout  # (a LEAVE's wait is 1 s)
+
+
 def test_under_continue_the_others_go_on_past_one_that_left_and_it_comes_back(
         process_cluster):
     cluster = process_cluster(1, 2, output=None, shard_args=[
