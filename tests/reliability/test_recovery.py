@@ -280,6 +280,17 @@ def test_a_worker_that_closed_its_client_is_not_taken_for_dead(
         assert time.monotonic() - started < 10
 
 
+def _worker_script(address, *body, workers=1, worker=0):
+    """Python source that opens a client of `worker` on the shard at
+    `address` (as `c`), then runs the lines of `body`."""
+    return "\n".join([
+        "import os, sys, time", "import numpy as np",
+        "from keras_geeps.client import GeePSClient",
+        "from keras_geeps.cluster import ClusterSpec",
+        f"c = GeePSClient(ClusterSpec([{address!r}], {workers}, {worker}), "
+        f"timeout=30, heartbeat_interval=0.2)", *body]) + "\n"
+
+
 def test_a_worker_script_that_ends_without_close_leaves_all_the_same(
         process_cluster):
     """Worker 1 is a process whose script ends without `close()`: its
@@ -287,16 +298,10 @@ def test_a_worker_script_that_ends_without_close_leaves_all_the_same(
     still reading after worker_timeout, gets no error."""
     cluster = process_cluster(1, 2, output=None,
                               shard_args=["--worker-timeout", "1.0"])
-    script = (
-        "import numpy as np\n"
-        "from keras_geeps.client import GeePSClient\n"
-        "from keras_geeps.cluster import ClusterSpec\n"
-        f"c = GeePSClient(ClusterSpec([{cluster.addresses[0]!r}], 2, 1),\n"
-        "                timeout=30, heartbeat_interval=0.2)\n"
-        "t = c.create_table('t', 4, 4)\n"
-        "c.update(t, np.ones((4, 4), np.float32))\n"
-        "c.clock()\n"
-        "print('done', c.read(t)[0, 0], flush=True)\n")
+    script = _worker_script(
+        cluster.addresses[0], "t = c.create_table('t', 4, 4)",
+        "c.update(t, np.ones((4, 4), np.float32))", "c.clock()",
+        "print('done', c.read(t)[0, 0], flush=True)", workers=2, worker=1)
     with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
         table = client.create_table("t", 4, 4)
         client.update(table, np.ones((4, 4), np.float32))
@@ -316,24 +321,14 @@ def test_a_forked_child_does_not_close_its_parents_client(process_cluster):
     run) leaves the parent's client alone: no LEAVE, no wait."""
     cluster = process_cluster(1, 1, output=None,
                               shard_args=["--worker-timeout", "30"])
-    script = (
-        "import os, sys, time\n"
-        "import numpy as np\n"
-        "from keras_geeps.client import GeePSClient\n"
-        "from keras_geeps.cluster import ClusterSpec\n"
-        f"c = GeePSClient(ClusterSpec([{cluster.addresses[0]!r}]),\n"
-        "                timeout=30, heartbeat_interval=0.2)\n"
-        "t = c.create_table('t', 4, 4)\n"
-        "started = time.monotonic()\n"
-        "child = os.fork()\n"
-        "if child == 0:\n"
-        "    sys.exit(0)\n"
-        "os.waitpid(child, 0)\n"
-        "print('child took', round(time.monotonic() - started, 2))\n"
-        "print('left', c.shard_stats()[0]['left_workers'])\n"
-        "c.update(t, np.ones((4, 4), np.float32))\n"
-        "c.clock()\n"
-        "print('read', c.read(t)[0, 0], flush=True)\n")
+    script = _worker_script(
+        cluster.addresses[0], "t = c.create_table('t', 4, 4)",
+        "started = time.monotonic()", "child = os.fork()",
+        "if child == 0:", "    sys.exit(0)", "os.waitpid(child, 0)",
+        "print('child took', round(time.monotonic() - started, 2))",
+        "print('left', c.shard_stats()[0]['left_workers'])",
+        "c.update(t, np.ones((4, 4), np.float32))", "c.clock()",
+        "print('read', c.read(t)[0, 0], flush=True)")
     result = subprocess.run([sys.executable, "-c", script],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
