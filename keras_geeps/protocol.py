@@ -132,12 +132,13 @@ _META_SCHEMA = {
     MsgType.WELCOME: {"shard_id": int, "num_shards": int, "num_workers": int,
                       "max_message_bytes": int, "max_pending_clocks": int,
                       "checkpoint_every": int, "shm": list, "shm_ok": bool,
-                      "sealed": list, "incarnation": int, "watch": bool},
+                      "sealed": list, "incarnation": int,
+                      "worker_timeout": float},
     # sealed: [data port, session, c2s key, s2c key, connect token] (hex;
     # keras_geeps.seal). incarnation: the shard process's random number (a
     # worker that says HELLO again tells a reconnect from a restart by it).
-    # watch: the shard declares silent workers dead (worker_timeout), so a
-    # worker that closes its client says LEAVE.
+    # worker_timeout: > 0 when the shard declares workers silent that long
+    # dead: a worker heartbeats well within it, and says LEAVE on close.
     # shm: the worker maps this shard's buffers (rows may come as refs).
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
                      "row_start": int, "row_end": int, "chunk_row": int,

@@ -1006,7 +1006,7 @@ class ShardServer:
             "max_message_bytes": self.settings.max_message_bytes,
             "max_pending_clocks": self.settings.max_pending_clocks,
             "checkpoint_every": self.settings.checkpoint_every,
-            "watch": bool(self.settings.worker_timeout)}
+            "worker_timeout": float(self.settings.worker_timeout)}
         # Its own number, whatever route the worker's later requests take
         # (with a sealed session: the data socket's, not this one).
         self._seqs[worker].mark(message.seq)

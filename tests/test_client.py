@@ -445,6 +445,25 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
     doomed.close()
 
 
+def test_heartbeats_come_well_within_a_shards_worker_timeout(
+        thread_cluster):
+    """A shard that declares workers silent for 0.6 s dead: the worker's
+    default 1 s heartbeat is lowered to 0.2 s (the WELCOME says the
+    timeout), so an idle worker is not taken for dead."""
+    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
+
+    cluster = thread_cluster(1, 1, settings=ShardSettings(
+        worker_timeout=0.6, shared_memory=False))
+    with cluster.client(0, timeout=10) as client:
+        assert client._io.heartbeat_interval == pytest.approx(0.2)
+        table = client.create_table("t", 2, 2)
+        time.sleep(2.0)
+        client.update(table, np.ones((2, 2), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table), 1.0)
+        assert cluster.shards[0].snapshot_stats()["dead_workers"] == []
+
+
 def test_the_replay_log_bound_lies_between_two_checkpoints_and_a_replay(
         tmp_path, thread_cluster):
     """max_log_clocks holds at least the K clocks between two checkpoints

@@ -43,6 +43,8 @@ RECOVERY_HELLO_RETRY_S = 5.0
 # client's timeout).
 LEAVE_WAIT_S = 5.0
 AT_EXIT_LEAVE_WAIT_S = 1.0  # (at the interpreter's exit: shards may be gone)
+# A worker heartbeats at least this many times per a shard's worker_timeout.
+HEARTBEATS_PER_TIMEOUT = 3
 # How often a clock held back by a full replay log asks the shards how far
 # their checkpoints are.
 CHECKPOINT_POLL_S = 0.2
@@ -282,7 +284,8 @@ class GeePSClient:
         chunk_bytes: size of the row chunks sent. Defaults to 2 MiB.
         heartbeat_interval: seconds between heartbeats to every shard (so
             shards detect a dead worker, and this worker a restarted
-            shard); 0 sends none. Defaults to 1.
+            shard); 0 sends none. Lowered to a third of a shard's
+            `--worker-timeout` where that is shorter. Defaults to 1.
         curve: a `keras_geeps.auth.ClientKeys` for shards that require
             CURVE. Defaults to None.
         shared_memory: exchange rows with shards on this host through
@@ -462,8 +465,10 @@ class GeePSClient:
         """Notes which process `shard` is, and uses shared memory with it if
         both sides can map the other's."""
         self._shard_incarnations[shard] = welcome.meta.get("incarnation")
-        if welcome.meta.get("watch"):
+        watch = welcome.meta.get("worker_timeout", 0.0)
+        if watch > 0:
             self._watching.add(shard)
+            self._heartbeat_within(watch)
         self._shm_peers.pop(shard, None)
         self._shm_upload.discard(shard)
         meta = welcome.meta
@@ -912,6 +917,18 @@ class GeePSClient:
                 del table.own[clk]
         with self._cond:
             self._cond.notify_all()
+
+    def _heartbeat_within(self, worker_timeout):
+        """Heartbeats at least HEARTBEATS_PER_TIMEOUT times per a shard's
+        worker_timeout, whatever `heartbeat_interval` said (unless 0: none
+        at all), so a live worker is never taken for dead."""
+        interval = self._io.heartbeat_interval
+        most = worker_timeout / HEARTBEATS_PER_TIMEOUT
+        if interval > most:
+            log.info("worker %d: heartbeats every %.3g s, not %.3g s: a "
+                     "shard declares workers silent for %.3g s dead",
+                     self.worker_id, most, interval, worker_timeout)
+            self._io.heartbeat_interval = most
 
     def _note_checkpoint(self, table, part, ckpt):
         """`part`'s shard wrote `table` durably at clock `ckpt`: the replay

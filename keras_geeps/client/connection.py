@@ -334,7 +334,7 @@ class IOThread:
         for shard, sock in enumerate(self._sockets):
             poller.register(sock, zmq.POLLIN)
             self._poll_sockets[sock] = shard
-        next_beat = time.monotonic()
+        last_beat = -float("inf")  # (the interval may change meanwhile)
         try:
             while not self._stop:
                 events = seal.poll_paced(poller, self._pump_links(), 100)
@@ -351,9 +351,9 @@ class IOThread:
                     # (a link replaced meanwhile is closed: skipped)
                     if sock in events and sock in self._poll_sockets:
                         self._drain(sock, shard)
-                if self.heartbeat_interval and \
-                        time.monotonic() >= next_beat:
-                    next_beat = time.monotonic() + self.heartbeat_interval
+                if self.heartbeat_interval and time.monotonic() >= \
+                        last_beat + self.heartbeat_interval:
+                    last_beat = time.monotonic()
                     for shard in sorted(self._welcomed):
                         self._heartbeat(shard)
                     self._watch_links()
