@@ -77,7 +77,7 @@ def test_a_worker_declared_dead_inside_fit_raises_geeps_worker_failed(
         model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, verbose=0)
         # Worker 1 says HELLO, then falls silent: declared dead 3 s later,
         # while worker 0's pull at clock 2 waits for its clock 0.
-        stalled = cluster.client(1, timeout=60, heartbeat_interval=3600)
+        stalled = cluster.client(1, timeout=60, heartbeat_interval=0)
         with pytest.raises(GeePSWorkerFailedError,
                            match="worker 1") as excinfo:
             model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
@@ -99,7 +99,7 @@ def test_train_on_batch_raises_the_geeps_error_too(thread_cluster):
         model = small_model(strategy)
         x, y = regression_data(BATCH)
         model.train_on_batch(x, y)  # clock 0 -> 1
-        stalled = cluster.client(1, timeout=60, heartbeat_interval=3600)
+        stalled = cluster.client(1, timeout=60, heartbeat_interval=0)
         table = strategy.parameter_sync.tables[0].table
         deadline = time.monotonic() + 30
         with pytest.raises(GeePSWorkerFailedError):  # known to worker 0
