@@ -494,8 +494,7 @@ class ShardServer:
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
         self._left = set()        # workers that closed their client (LEAVE)
-        self._left_changes = 0    # LEAVEs taken; how many a checkpoint
-        self._left_written = 0    # file holds
+        self._left_written = frozenset()  # those the checkpoint file holds
         self._started = None      # first HELLO or restore: liveness watch
         self._restored_at = None  # a restore of a job under way: its time
         self._failed = None       # the error every request gets ("stop")
@@ -992,9 +991,7 @@ class ShardServer:
                 # have been cut off): one a death buried, or this one.
                 self._bury(worker, previous)
             self._incarnations[worker] = incarnation
-        if worker in self._left:  # back (a new client): a member again
-            self._left.discard(worker)
-            self._left_changes += 1
+        self._left.discard(worker)  # back (a new client): a member again
         self._identities[worker] = identity
         self._last_seen[worker] = time.monotonic()
         if self._started is None:
@@ -1598,7 +1595,7 @@ class ShardServer:
         if self._writer is not None and not self._writer.is_alive():
             written, ok = self._writer.written, self._writer.ok
             if ok:
-                self._left_written = self._writer.left_changes
+                self._left_written = self._writer.left
             self._writer = None
             for table_id, clock in written.items():
                 table = self._tables.get(table_id)
@@ -1625,7 +1622,7 @@ class ShardServer:
                     clock > self._tables[tid].ckpt_clock
                     for tid, (_, clock, _) in snapshots.items()) or (
                         self.settings.checkpoint_dir and
-                        self._left_changes != self._left_written):
+                        self._left != self._left_written):
                 self._start_writer(snapshots)
         self._watch_workers()
 
@@ -1668,7 +1665,7 @@ class ShardServer:
                                   daemon=True,
                                   name=f"geeps-ckpt-{self.shard_id}")
         writer.written, writer.ok = {}, False
-        writer.left_changes = self._left_changes
+        writer.left = frozenset(self._left)
         self._writer_acks = len(self._ckpt_requests)
         self._writer = writer
         writer.start()
@@ -1733,7 +1730,7 @@ class ShardServer:
             self._tables[table_id] = table
         self._started = time.monotonic()
         self._left = set(left)
-        self._left_written = self._left_changes
+        self._left_written = frozenset(left)
         if any(t.global_clock > 0 for t in self._tables.values()):
             # Every worker had finished a clock: the live ones are running
             # and say HELLO within a heartbeat; the silence of the others
@@ -1802,7 +1799,6 @@ class ShardServer:
         again. Checkpoints remember who left."""
         worker = message.worker
         self._left.add(worker)
-        self._left_changes += 1
         self._last_seen.pop(worker, None)
         self._forget_shm(worker)  # (its client releases nothing more)
         self._send(identity, Message(MsgType.ACK, seq=message.seq))

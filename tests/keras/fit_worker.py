@@ -63,41 +63,47 @@ def weight_sum(model):
                      for w in model.get_weights()))
 
 
-class DieAt(keras.callbacks.Callback):
-    def __init__(self, step, epoch=0, code=7):
+class AtBatch(keras.callbacks.Callback):
+    """Calls `act()` once, at the end of batch `step` of epoch `epoch` (or
+    the first batch after, in a later epoch too)."""
+
+    def __init__(self, step, epoch=0):
         super().__init__()
-        self.step, self.epoch, self.code = step, epoch, code
-        self.current_epoch = 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current_epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.current_epoch >= self.epoch and batch >= self.step:
-            print("dying on purpose", flush=True)
-            os._exit(self.code)
-
-
-class KillShardAt(keras.callbacks.Callback):
-    """SIGKILLs shard `shard` once, at batch `step` of epoch `epoch` (the
-    launcher, with shard_restarts, starts it again with --restore)."""
-
-    def __init__(self, client, shard, epoch, step):
-        super().__init__()
-        self.client, self.shard = client, shard
-        self.epoch, self.step = epoch, step
+        self.step, self.epoch = step, epoch
         self.current_epoch, self.done = 0, False
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        if not self.done and self.current_epoch == self.epoch and \
-                batch == self.step:
-            pid = self.client.shard_stats()[self.shard]["pid"]
-            print(f"killing shard {self.shard} (pid {pid})", flush=True)
-            os.kill(pid, signal.SIGKILL)
+        if not self.done and self.current_epoch >= self.epoch and \
+                batch >= self.step:
             self.done = True
+            self.act()
+
+
+class DieAt(AtBatch):
+    def __init__(self, step, epoch=0, code=7):
+        super().__init__(step, epoch)
+        self.code = code
+
+    def act(self):
+        print("dying on purpose", flush=True)
+        os._exit(self.code)
+
+
+class KillShardAt(AtBatch):
+    """SIGKILLs shard `shard` once, at batch `step` of epoch `epoch` (the
+    launcher, with shard_restarts, starts it again with --restore)."""
+
+    def __init__(self, client, shard, epoch, step):
+        super().__init__(step, epoch)
+        self.client, self.shard = client, shard
+
+    def act(self):
+        pid = self.client.shard_stats()[self.shard]["pid"]
+        print(f"killing shard {self.shard} (pid {pid})", flush=True)
+        os.kill(pid, signal.SIGKILL)
 
 
 def main():
