@@ -64,16 +64,12 @@ def test_shard_restore_dir_restores_from_and_checkpoints_to_dir(
     launcher's appended `--restore` keeps DIR; two folders are refused."""
     from keras_geeps.launch import ShardProcess  # noqa: PLC0415
     from tests.reliability.restarts import (  # noqa: PLC0415
-        counted_to_a_checkpoint, wait_for_checkpoint)
+        killed_one_clock_past_a_checkpoint, wait_for_checkpoint)
 
     cluster = process_cluster(1, 1, output=None, shard_args=[
         "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"])
     with cluster.client(0, timeout=30, heartbeat_interval=0.2) as client:
-        table = counted_to_a_checkpoint(client)
-        client.update(table, np.ones((4, 4), np.float32))
-        client.clock()  # clock 2: only in the worker's log
-        victim = cluster.shards[0]
-        victim.kill()
+        table, victim = killed_one_clock_past_a_checkpoint(client, cluster)
         cluster.shards[0] = ShardProcess(
             0, 1, 1, ["--restore", str(tmp_path), "--checkpoint-every", "2",
                       "--restore"], output=None, bind=victim.address)

@@ -47,3 +47,14 @@ def counted_to_a_checkpoint(client, clocks=2):
         client.read(table)
     wait_for_checkpoint(client, table, clocks)
     return table
+
+
+def killed_one_clock_past_a_checkpoint(client, cluster):
+    """`counted_to_a_checkpoint`, then clock 2 (only in the worker's log),
+    then SIGKILL of shard 0. Returns (the table, the killed shard)."""
+    table = counted_to_a_checkpoint(client)
+    client.update(table, np.ones((4, 4), np.float32))
+    client.clock()
+    victim = cluster.shards[0]
+    victim.kill()
+    return table, victim

@@ -17,6 +17,7 @@ from keras_geeps.launch import LocalCluster
 from keras_geeps.shard import ShardSettings
 from tests.reliability.restarts import (ask_across_a_restart,
                                         counted_to_a_checkpoint,
+                                        killed_one_clock_past_a_checkpoint,
                                         wait_for_checkpoint)
 from tests.worker_threads import run_worker_threads
 
@@ -702,11 +703,7 @@ def test_a_shard_that_dies_again_during_the_recovery_is_recovered(
     args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
     cluster = process_cluster(1, 1, shard_args=args, output=None)
     with cluster.client(0, timeout=60, heartbeat_interval=0.2) as client:
-        t = counted_to_a_checkpoint(client)
-        client.update(t, np.ones((4, 4), np.float32))
-        client.clock()  # clock 3: only in the worker's log
-        victim = cluster.shards[0]
-        victim.kill()
+        t, victim = killed_one_clock_past_a_checkpoint(client, cluster)
         started = time.monotonic()
         _one_that_takes_the_hello_and_dies(victim.address, welcome).join(30)
         cluster.shards[0] = victim.restart(["--restore"])
