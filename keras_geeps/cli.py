@@ -35,6 +35,8 @@ def _cmd_launch(args):
         return 2
     if args.max_pending_clocks is not None:
         shard_args += ["--max-pending-clocks", str(args.max_pending_clocks)]
+    if args.deterministic_sums:
+        shard_args.append("--deterministic-sums")
     try:  # what every shard would refuse at start, said once here
         from keras_geeps.shard import ShardSettings  # noqa: PLC0415
         ShardSettings(checkpoint_dir=args.checkpoint_dir,
@@ -136,7 +138,8 @@ def build_parser():
     launch = sub.add_parser(
         "launch", help="run S shards and N workers on this machine",
         usage="keras-geeps launch [--workers N] [--shards S] "
-              "[--checkpoint-dir DIR --checkpoint-every K] -- COMMAND ...")
+              "[--checkpoint-dir DIR --checkpoint-every K] "
+              "[--deterministic-sums] -- COMMAND ...")
     launch.add_argument("--workers", type=int, default=2)
     launch.add_argument("--shards", type=int, default=2)
     launch.add_argument("--checkpoint-dir", default=None,
@@ -148,6 +151,9 @@ def build_parser():
     launch.add_argument("--max-pending-clocks", type=int, default=None,
                         help="the shards' --max-pending-clocks (64 if not "
                              "given; at least K - 1)")
+    launch.add_argument("--deterministic-sums", action="store_true",
+                        help="the shards add each clock's updates in worker "
+                             "order: a rerun ends bit-identical")
     launch.add_argument("--shard-restarts", type=int, default=3,
                         help="how many times in all dead shards are "
                              "started again (with --checkpoint-every > 0)")

@@ -84,6 +84,15 @@ class ShardSettings:
             it the buffer of the table's next rows with every push: the
             worker writes `rows + update` there itself and the shard adopts
             it, with no add of its own. Defaults to True.
+        deterministic_sums: add each clock's updates in worker order (all of
+            worker 0's, then worker 1's, ...) instead of as they arrive, so
+            that a job run twice on the same data ends with bit-identical
+            parameters (float addition is not associative: three updates
+            added in another order round differently), a restarted shard's
+            replay included. An update whose turn has not come (a worker
+            before its worker has not finished the clock) is held, and
+            counts against max_table_bytes, until it has; so are updates
+            of clocks ahead of the table's (SSP). Defaults to False.
     """
 
     def __init__(self, max_message_bytes=1 << 30, max_tables=4096,
@@ -93,7 +102,8 @@ class ShardSettings:
                  poll_timeout_ms=100, checkpoint_dir=None,
                  checkpoint_every=0, worker_timeout=0.0,
                  on_worker_failure="stop", shared_memory=None,
-                 max_held_buffers=4, lend_buffers=True):
+                 max_held_buffers=4, lend_buffers=True,
+                 deterministic_sums=False):
         if on_worker_failure not in ("stop", "continue"):
             raise ValueError(f"on_worker_failure must be 'stop' or "
                              f"'continue', not {on_worker_failure!r}")
@@ -126,6 +136,7 @@ class ShardSettings:
                               else bool(shared_memory))
         self.max_held_buffers = max_held_buffers
         self.lend_buffers = lend_buffers
+        self.deterministic_sums = deterministic_sums
 
 
 class RequestError(Exception):
@@ -182,6 +193,7 @@ class _Table:
         self.updated = np.full(num_workers, -1, np.int64)  # last clock sent
         self.global_clock = 0
         self.pending = {}  # clock >= global_clock -> _Pending
+        self.held = {}  # clock -> [_HeldUpdate] (deterministic_sums)
         self.subscribers = set()
         self.snapshot = None      # (clock, rows) taken for the next write
         self.lent = None          # (clock, worker, rows, SharedBuffer)
@@ -276,6 +288,41 @@ class _Pending:
             self.buffer[missing] = self.base[missing]
             self.written[:] = True
         return self.buffer
+
+
+class _HeldUpdate:
+    """An update waiting for its turn (`ShardSettings.deterministic_sums`):
+    the updates of the workers before its own in this clock come first.
+
+    Args:
+        worker: who sent it.
+        row: the row its (first) array starts at; ignored with `index`.
+        arrays: its rows (arrays this shard alone holds: received frames,
+            or copies).
+        index: the row ids of an indexed update (its one array), or None.
+    """
+
+    __slots__ = ("worker", "row", "arrays", "index")
+
+    def __init__(self, worker, row, arrays, index=None):
+        self.worker, self.row, self.arrays, self.index = (worker, row,
+                                                          arrays, index)
+
+    @property
+    def nbytes(self):
+        """Bytes it holds."""
+        return sum(a.nbytes for a in self.arrays) + (
+            0 if self.index is None else self.index.nbytes)
+
+    def add_to(self, pending):
+        """Adds its rows to `pending` (a `_Pending`)."""
+        if self.index is not None:
+            pending.add_indexed(self.index, self.arrays[0])
+            return
+        row = self.row
+        for array in self.arrays:
+            pending.add(row, array)
+            row += array.shape[0]
 
 
 class _BufferPool:
@@ -509,7 +556,8 @@ class ShardServer:
         self._shm_readers = set()  # workers that map our row buffers
         self._holds = {}          # buffer id -> {worker: refs not released}
         self.stats = {"bytes_in": 0, "bytes_out": 0, "messages_in": 0,
-                      "updates_applied": 0, "duplicates": 0, "errors": 0,
+                      "updates_applied": 0, "updates_held": 0,
+                      "duplicates": 0, "errors": 0,
                       "pushes": 0, "checkpoints": 0, "restored_clock": -1,
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0,
@@ -1155,15 +1203,17 @@ class ShardServer:
 
     def _held_bytes(self):
         """Bytes of rows held: each table's rows, its pending clocks, lent
-        buffer, checkpoint snapshot, and the pooled buffers it keeps for
-        reuse (or that sends to slow readers still use)."""
+        buffer, checkpoint snapshot, the pooled buffers it keeps for
+        reuse (or that sends to slow readers still use), and the updates
+        held for their turn (`ShardSettings.deterministic_sums`)."""
         total = 0
         for t in self._tables.values():
             copies = (1 + len(t.pending) + (t.lent is not None)
                       + len(t.pool.free))
             if t.snapshot is not None and t.snapshot[1] is not t.data:
                 copies += 1
-            total += t.nbytes * copies
+            total += t.nbytes * copies + sum(
+                h.nbytes for held in t.held.values() for h in held)
         return total
 
     def _room_for(self, nbytes, table=None):
@@ -1346,15 +1396,19 @@ class ShardServer:
             for array in arrays:
                 self._check_rows(table, array, row)
                 row += array.shape[0]
+        if self.settings.deterministic_sums and \
+                not self._in_turn(table, worker, clk):
+            self._hold(table, clk, _HeldUpdate(
+                worker, message.meta.get("chunk_row", 0),
+                self._rows_to_hold(message, arrays if not indexed else
+                                   [rows]),
+                index if indexed else None))
+            table.updated[worker] = clk
+            self.stats["updates_applied"] += 1
+            return
         pending = table.pending.get(clk)
         if pending is None:
-            if not self._room_for(table.nbytes, table):
-                raise RequestError(
-                    f"no memory for clock {clk} updates of table {table.id} "
-                    f"(max_table_bytes={self.settings.max_table_bytes}, "
-                    f"{self._held_bytes()} bytes held, "
-                    f"{sum(t.pool.nbytes for t in self._tables.values())} "
-                    f"of them still being sent to slow readers)")
+            self._check_room(table, clk, table.nbytes, table)
             base = table.data if table.ready and \
                 clk == table.global_clock else None
             pending = table.pending[clk] = _Pending(table.pool.get(), base)
@@ -1372,6 +1426,77 @@ class ShardServer:
         # the CLOCK that follows acknowledges every update before it.
         table.updated[worker] = clk
         self.stats["updates_applied"] += 1
+
+    def _check_room(self, table, clk, nbytes, reuse=None):
+        """Raises RequestError unless `nbytes` more for clock `clk` of
+        `table` fit within max_table_bytes (`reuse`: `_room_for`'s)."""
+        if not self._room_for(nbytes, reuse):
+            raise RequestError(
+                f"no memory for clock {clk} updates of table {table.id} "
+                f"(max_table_bytes={self.settings.max_table_bytes}, "
+                f"{self._held_bytes()} bytes held, "
+                f"{sum(t.pool.nbytes for t in self._tables.values())} "
+                f"of them still being sent to slow readers)")
+
+    # ---------------------------------- deterministic sums (worker order)
+    def _in_turn(self, table, worker, clk):
+        """Whether an update of `worker` for clock `clk` may be added now:
+        the clock is the table's, and every worker before `worker` has
+        finished it (or is dead) with nothing of theirs, or of its own,
+        still held."""
+        if not (table.ready and clk == table.global_clock):
+            return False
+        if not bool((table.vclock[:worker] > clk).all()):
+            return False
+        return not any(h.worker <= worker for h in table.held.get(clk, ()))
+
+    def _rows_to_hold(self, message, arrays):
+        """An update's rows as they can wait: a sealed frame opened (and so
+        checked) now, in place; a co-located worker's shared-memory rows
+        copied, since it reuses that memory once the clock is acknowledged;
+        received frames as they are."""
+        if self._unopened is not None:
+            opened = self._unopened.open_as(arrays[0].dtype, arrays[0].shape)
+            self._unopened = None
+            return [opened]
+        if "ref" in message.meta:
+            return [np.array(a) for a in arrays]
+        return list(arrays)
+
+    def _hold(self, table, clk, held):
+        """Keeps `held` (a `_HeldUpdate`) until its turn, within
+        max_table_bytes (with the clock's rows buffer, if it has none
+        yet)."""
+        fresh = clk not in table.pending and clk not in table.held
+        self._check_room(table, clk,
+                         held.nbytes + (table.nbytes if fresh else 0))
+        table.held.setdefault(clk, []).append(held)
+        self.stats["updates_held"] += 1
+
+    def _add_held(self, table, clk, base):
+        """Adds the held updates of clock `clk` whose turn has come, in
+        worker order (each worker's in the order they came), onto `base`
+        (the rows that clock starts from)."""
+        held = table.held.get(clk)
+        if not held:
+            return
+        unfinished = np.flatnonzero(table.vclock <= clk)
+        # The first worker still in the clock may add; those after it wait.
+        last = int(unfinished[0]) if unfinished.size else table.vclock.size
+        due = sorted((h for h in held if h.worker <= last),
+                     key=lambda h: h.worker)
+        if not due:
+            return
+        rest = [h for h in held if h.worker > last]
+        if rest:
+            table.held[clk] = rest
+        else:
+            del table.held[clk]
+        pending = table.pending.get(clk)
+        if pending is None:
+            pending = table.pending[clk] = _Pending(table.pool.get(), base)
+        for update in due:
+            update.add_to(pending)
 
     def _adopt_lent(self, table, worker, clk, message):
         """An UPDATE whose rows + update the worker wrote into the buffer
@@ -1453,6 +1578,8 @@ class ShardServer:
     def _maybe_advance(self, table):
         if not table.ready:  # clocks wait for the initial rows
             return
+        if table.held:
+            self._add_held(table, table.global_clock, table.data)
         new_global = int(table.vclock.min())
         if new_global > table.global_clock and new_global < DEAD_CLOCK:
             self._advance(table, new_global)
@@ -1461,6 +1588,8 @@ class ShardServer:
         """Makes the finished clocks' rows current and pushes them."""
         data = table.data
         for clk in range(table.global_clock, new_global):
+            if table.held:  # every worker finished clk: all of it is due
+                self._add_held(table, clk, data)
             pending = table.pending.pop(clk, None)
             if pending is not None:
                 if pending.base is None:
@@ -1479,6 +1608,8 @@ class ShardServer:
         waiting = table.pending.get(new_global)
         if waiting is not None:  # early (SSP) updates of the new clock
             waiting.rebase(data)
+        if table.held:  # deterministic sums: early ones now in turn
+            self._add_held(table, new_global, data)
         self.stats["pushes"] += 1
         self._serve_parked()
 
@@ -1879,11 +2010,13 @@ class ShardServer:
                 "ready": table.ready, "global_clock": table.global_clock,
                 "vclock": table.vclock.tolist(),
                 "pending_clocks": sorted(table.pending),
+                "held_updates": sum(map(len, table.held.values())),
                 "ckpt_clock": table.ckpt_clock,
             }
         return dict(self.stats, shard_id=self.shard_id, pid=os.getpid(),
                     num_shards=self.num_shards, num_workers=self.num_workers,
                     tables=tables, held_bytes=self._held_bytes(),
+                    deterministic_sums=self.settings.deterministic_sums,
                     workers=sorted(self._identities),
                     dead_workers=sorted(self._dead),
                     left_workers=sorted(self._left), failed=self._failed,
@@ -1936,6 +2069,10 @@ def build_parser(parser=None):
                         help="with CURVE: the sealed data socket's address "
                              "(default: --bind's host, a free port; give "
                              "a restarted shard the one it printed)")
+    parser.add_argument("--deterministic-sums", action="store_true",
+                        help="add each clock's updates in worker order, not "
+                             "as they arrive: a job rerun on the same data "
+                             "ends with bit-identical parameters")
     parser.add_argument("--no-shared-memory", action="store_true",
                         help="never exchange rows with co-located workers "
                              "through shared memory (also: "
@@ -1976,7 +2113,8 @@ def run_from_args(args):
             checkpoint_every=args.checkpoint_every,
             worker_timeout=args.worker_timeout,
             on_worker_failure=args.on_worker_failure,
-            shared_memory=False if args.no_shared_memory else None)
+            shared_memory=False if args.no_shared_memory else None,
+            deterministic_sums=args.deterministic_sums)
     except ValueError as exc:
         raise SystemExit(f"keras-geeps shard: {exc}") from exc
     if args.restore and not args.checkpoint_dir:

@@ -157,6 +157,21 @@ def test_launch_starts_a_killed_shard_again_and_loses_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+def test_launch_passes_deterministic_sums_to_its_shards(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text(
+        "from keras_geeps.client import GeePSClient\n"
+        "with GeePSClient(timeout=20) as c:\n"
+        "    print('ordered', [s['deterministic_sums'] for s in "
+        "c.shard_stats()], flush=True)\n")
+    for flag, shown in (([], "[False, False]"),
+                        (["--deterministic-sums"], "[True, True]")):
+        result = _cli("launch", "--workers", "1", "--shards", "2", *flag,
+                      "--", sys.executable, str(script))
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert f"ordered {shown}" in result.stdout, result.stdout
+
+
 def test_launch_without_checkpoints_stops_when_a_shard_dies(tmp_path):
     result = _launch(
         tmp_path,

@@ -55,17 +55,15 @@ def test_fit_goes_on_through_a_shard_killed_and_restarted(tmp_path):
     """SIGKILL shard 1 in the middle of epoch 1 of a 2-worker BSP fit; the
     launcher restarts it with --restore and the workers replay what its
     checkpoint lacks: the final weights equal those of the same fit left
-    alone. (Up to float rounding: a shard adds each clock's updates in the
-    order they arrive, which varies between two runs left alone too, by a
-    few 1e-8 here; one update lost or applied twice moves weights by
-    ~1e-4.)"""
+    alone, bit for bit: the shards add each clock's updates in worker
+    order (--deterministic-sums), not as they arrive."""
     weights = []
     for run, kill in (("plain", []), ("killed", ["--kill-shard-at",
                                                  "1:0:17"])):
         out = tmp_path / run
         out.mkdir()
         shard_args = ["--checkpoint-dir", str(tmp_path / f"ckpt-{run}"),
-                      "--checkpoint-every", "4"]
+                      "--checkpoint-every", "4", "--deterministic-sums"]
         log = io.StringIO()
         code = launch(WORKER + ["--out", str(out), "--epochs", "2",
                                 "--lr", "0.05", *kill], 2, 2, output=log,
@@ -79,6 +77,5 @@ def test_fit_goes_on_through_a_shard_killed_and_restarted(tmp_path):
         weights.append([np.load(out / f"worker{w}.npz") for w in range(2)])
     for name in weights[0][0].files:
         for w in range(2):
-            np.testing.assert_allclose(weights[1][w][name],
-                                       weights[0][0][name], rtol=0,
-                                       atol=1e-6)
+            np.testing.assert_array_equal(weights[1][w][name],
+                                          weights[0][0][name])

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -525,3 +526,48 @@ def test_a_key_named_for_a_worker_speaks_for_that_worker_only(keys):
                         timeout=10, curve=anyone).close()
     finally:
         cluster.stop()
+
+
+def test_sealed_updates_wait_their_turn_with_deterministic_sums(keys):
+    """Workers 1 and 2 push and finish each clock before worker 0 pushes:
+    with --deterministic-sums their sealed rows are opened (and checked)
+    as they come and held, then added after worker 0's, so the sums equal
+    numpy's in worker order exactly."""
+    curve = worker_keys(keys)
+    clocks, shape = 3, (256, 256)
+    rng = np.random.default_rng(5)
+    deltas = (rng.standard_normal((clocks, 3) + shape) * 10.0 ** rng.integers(
+        -3, 7, (clocks, 3, shape[0], 1))).astype(np.float32)
+    finished = [threading.Barrier(3) for _ in range(clocks)]
+    results, errors = {}, []
+
+    def work(w, cluster):
+        try:
+            with cluster.client(w, timeout=30, curve=curve,
+                                shared_memory=False) as client:
+                table = client.create_table("t", *shape)
+                for clk in range(clocks):
+                    if w == 0:  # the others have finished the clock
+                        finished[clk].wait(timeout=30)
+                    client.update(table, deltas[clk, w])
+                    client.clock()
+                    if w != 0:
+                        client.shard_stats()  # they have come
+                        finished[clk].wait(timeout=30)
+                    results[w, clk] = client.read(table, clock=clk + 1)
+                results[w] = client.shard_stats()[0]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with keyed_cluster(keys, workers=3,
+                       shard_args=["--deterministic-sums"]) as cluster:
+        run_worker_threads(3, lambda w: work(w, cluster))
+    assert not errors, errors[0]
+    expected = np.zeros(shape, np.float32)
+    for clk in range(clocks):
+        for w in range(3):
+            expected = expected + deltas[clk, w]
+        for w in range(3):
+            np.testing.assert_array_equal(results[w, clk], expected)
+    stats = results[0]
+    assert stats["errors"] == 0 and stats["updates_held"] >= 2 * clocks

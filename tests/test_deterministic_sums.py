@@ -1,0 +1,215 @@
+"""`ShardSettings.deterministic_sums`: a clock's updates are added in
+worker order, whatever order they arrive in, so reruns are bit-identical."""
+
+import time
+
+import numpy as np
+import pytest
+
+from keras_geeps.protocol import MsgType
+from keras_geeps.shard import ShardServer, ShardSettings
+from tests.test_shard import RawPeer
+
+WORKERS = 3
+CLOCKS = 4
+SPEC = {"name": "t", "rows": 6, "width": 5, "dtype": "float32",
+        "row_start": 0, "row_end": 6}
+SHAPE = (SPEC["rows"], SPEC["width"])
+
+
+def _updates(seed):
+    """Each worker's updates of each clock: whole, partial and indexed
+    (with a repeated row), of magnitudes far apart, so that float sums
+    depend on their order. [clock][worker] -> [(kind, row or index, rows)]."""
+    rng = np.random.default_rng(seed)
+
+    def values(n):
+        return (rng.standard_normal((n, SHAPE[1]))
+                * 10.0 ** rng.integers(-4, 8, (n, 1))).astype(np.float32)
+
+    plan = []
+    for _ in range(CLOCKS):
+        per_worker = []
+        for _ in range(WORKERS):
+            start = int(rng.integers(0, SHAPE[0] - 1))
+            index = np.array([1, 4, 1, 5], np.int64)
+            per_worker.append([
+                ("rows", 0, values(SHAPE[0])),
+                ("rows", start, values(SHAPE[0] - start)),
+                ("indexed", index, values(index.size))])
+        plan.append(per_worker)
+    return plan
+
+
+def _expected(base, plan):
+    """The rows after every clock: updates added in worker order."""
+    rows = base.copy()
+    for per_worker in plan:
+        for updates in per_worker:
+            for kind, where, values in updates:
+                if kind == "indexed":
+                    np.add.at(rows, where, values)
+                else:
+                    rows[where:where + values.shape[0]] += values
+    return rows
+
+
+def _arrival(plan, seed):
+    """One random interleaving of the workers' streams ((worker, clock,
+    update or None for its CLOCK)), each worker's own order kept: workers
+    run ahead of others by whole clocks (SSP) and finish out of order."""
+    rng = np.random.default_rng(seed)
+    streams = [[(w, clk, u) for clk in range(CLOCKS)
+                for u in plan[clk][w] + [None]] for w in range(WORKERS)]
+    events = []
+    while any(streams):
+        w = rng.choice([i for i, s in enumerate(streams) if s])
+        events.append(streams[w].pop(0))
+    return events
+
+
+def _run(settings, base, events):
+    """Drives a 3-worker shard through `events`; returns the final rows and
+    the shard's stats."""
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, WORKERS, settings).start()
+    peers = [RawPeer(server.address, w) for w in range(WORKERS)]
+    try:
+        for p in peers:
+            assert p.ask(MsgType.HELLO, meta={
+                "num_workers": WORKERS, "num_shards": 1}).type == \
+                MsgType.WELCOME
+        assert peers[0].ask(MsgType.CREATE, table=0, arrays=[base],
+                            meta=dict(SPEC, chunk_row=0)).type == MsgType.ACK
+        for p in peers[1:]:
+            assert p.ask(MsgType.DECLARE, table=0, meta=SPEC).type == \
+                MsgType.ACK
+        for worker, clk, update in events:
+            p = peers[worker]
+            if update is None:
+                reply = p.ask_past_pushes(MsgType.CLOCK, table=0, clk=clk)
+                assert reply.type == MsgType.ACK, reply
+                continue
+            kind, where, values = update
+            if kind == "indexed":
+                p.send(p.message(MsgType.UPDATE, table=0, clk=clk,
+                                 arrays=[where, values],
+                                 meta={"indexed": True}))
+            else:
+                p.send(p.message(MsgType.UPDATE, table=0, clk=clk,
+                                 arrays=[values], meta={"chunk_row": where}))
+        reply = peers[0].ask_past_pushes(MsgType.READ, table=0, clk=CLOCKS)
+        assert reply.type == MsgType.ROWS, reply
+        return reply.arrays[0].copy(), server.snapshot_stats()
+    finally:
+        for p in peers:
+            p.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("order", [1, 2, 3])
+def test_updates_are_added_in_worker_order_whatever_their_arrival(order):
+    plan = _updates(seed=7)
+    base = np.full(SHAPE, 1.5, np.float32)
+    rows, stats = _run(ShardSettings(deterministic_sums=True), base,
+                       _arrival(plan, seed=order))
+    np.testing.assert_array_equal(rows, _expected(base, plan))
+    table = stats["tables"]["0"]
+    assert table["global_clock"] == CLOCKS and table["held_updates"] == 0
+    assert table["pending_clocks"] == []
+    assert stats["updates_applied"] == CLOCKS * WORKERS * 3
+
+
+def test_the_updates_are_order_sensitive_without_the_setting():
+    """The check above is not vacuous: added as they arrive, the same
+    updates round differently from one arrival order to another."""
+    plan = _updates(seed=7)
+    base = np.full(SHAPE, 1.5, np.float32)
+    results = [_run(ShardSettings(), base, _arrival(plan, seed=order))[0]
+               for order in (1, 2, 3)]
+    expected = _expected(base, plan)
+    assert any(not np.array_equal(r, expected) for r in results)
+    for r in results:  # the same sums all the same, up to rounding
+        np.testing.assert_allclose(r, expected, rtol=1e-5, atol=1e3)
+
+
+def test_held_updates_count_against_the_memory_limit():
+    """Updates waiting for their turn are memory the shard holds: past
+    max_table_bytes they are refused with an error, not kept."""
+    table_bytes = SHAPE[0] * SHAPE[1] * 4
+    settings = ShardSettings(deterministic_sums=True,
+                             max_table_bytes=6 * table_bytes)
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 2, settings).start()
+    peers = [RawPeer(server.address, w) for w in range(2)]
+    try:
+        for p in peers:
+            p.ask(MsgType.HELLO, meta={"num_workers": 2, "num_shards": 1})
+        base = np.zeros(SHAPE, np.float32)
+        peers[0].ask(MsgType.CREATE, table=0, arrays=[base],
+                     meta=dict(SPEC, chunk_row=0))
+        late = peers[1]
+        late.ask(MsgType.DECLARE, table=0, meta=SPEC)
+        # Worker 0 has not finished clock 0: worker 1's updates wait.
+        for _ in range(10):
+            late.send(late.message(MsgType.UPDATE, table=0, clk=0,
+                                   arrays=[np.ones(SHAPE, np.float32)],
+                                   meta={"chunk_row": 0}))
+        errors = [m for m in late.drain() if m.type != MsgType.PUSH]
+        assert errors and all(e.type == MsgType.ERROR and "no memory" in
+                              e.meta["error"] for e in errors), errors
+        stats = server.snapshot_stats()
+        held = stats["tables"]["0"]["held_updates"]
+        assert 1 <= held and held + len(errors) == 10
+        assert stats["held_bytes"] <= settings.max_table_bytes
+        # What was held goes in once worker 0 is done with the clock.
+        assert peers[0].ask_past_pushes(MsgType.CLOCK, table=0,
+                                        clk=0).type == MsgType.ACK
+        assert late.ask(MsgType.CLOCK, table=0, clk=0).type == MsgType.ACK
+        reply = late.ask_past_pushes(MsgType.READ, table=0, clk=1)
+        np.testing.assert_array_equal(reply.arrays[0], np.full(SHAPE, held))
+    finally:
+        for p in peers:
+            p.close()
+        server.stop()
+
+
+def test_a_worker_that_dies_mid_clock_releases_the_updates_after_it():
+    """Workers 1 and 2 finish clock 0 while worker 0, which sent its
+    update, goes silent: their updates wait for it, and go in (in worker
+    order) once it is declared dead and the job goes on without it."""
+    settings = ShardSettings(deterministic_sums=True, worker_timeout=0.5,
+                             on_worker_failure="continue",
+                             shared_memory=False)
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, WORKERS, settings).start()
+    peers = [RawPeer(server.address, w) for w in range(WORKERS)]
+    try:
+        for p in peers:
+            p.ask(MsgType.HELLO, meta={"incarnation": 1})
+        base = np.full(SHAPE, 1.5, np.float32)
+        peers[0].ask(MsgType.CREATE, table=0, arrays=[base],
+                     meta=dict(SPEC, chunk_row=0))
+        for p in peers[1:]:
+            p.ask(MsgType.DECLARE, table=0, meta=SPEC)
+        updates = [u[0][2] for u in _updates(seed=3)[0]]
+        for w in (2, 0, 1):
+            peers[w].send(peers[w].message(MsgType.UPDATE, table=0, clk=0,
+                                           arrays=[updates[w]]))
+        for p in (peers[2], peers[1]):
+            assert p.ask_past_pushes(MsgType.CLOCK, table=0,
+                                     clk=0).type == MsgType.ACK
+        assert server.snapshot_stats()["tables"]["0"]["held_updates"] == 2
+        live = peers[1:]
+        deadline = time.monotonic() + 10
+        while not server.snapshot_stats()["dead_workers"]:
+            for p in live:
+                p.send(p.message(MsgType.HEARTBEAT))
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        reply = peers[1].ask_past_pushes(MsgType.READ, table=0, clk=1)
+        assert reply.type == MsgType.ROWS and reply.clk == 1
+        np.testing.assert_array_equal(
+            reply.arrays[0], ((base + updates[0]) + updates[1]) + updates[2])
+        assert server.snapshot_stats()["tables"]["0"]["held_updates"] == 0
+    finally:
+        for p in peers:
+            p.close()
+        server.stop()
