@@ -297,8 +297,8 @@ class _HeldUpdate:
     Args:
         worker: who sent it.
         row: the row its (first) array starts at; ignored with `index`.
-        arrays: its rows (arrays this shard alone holds: received frames,
-            or copies).
+        arrays: its rows (received frames, or a co-located worker's
+            shared memory it does not write again before the clock ends).
         index: the row ids of an indexed update (its one array), or None.
     """
 
@@ -1400,8 +1400,7 @@ class ShardServer:
                 not self._in_turn(table, worker, clk):
             self._hold(table, clk, _HeldUpdate(
                 worker, message.meta.get("chunk_row", 0),
-                self._rows_to_hold(message, arrays if not indexed else
-                                   [rows]),
+                self._rows_to_hold(arrays if not indexed else [rows]),
                 index if indexed else None))
             table.updated[worker] = clk
             self.stats["updates_applied"] += 1
@@ -1450,17 +1449,16 @@ class ShardServer:
             return False
         return not any(h.worker <= worker for h in table.held.get(clk, ()))
 
-    def _rows_to_hold(self, message, arrays):
+    def _rows_to_hold(self, arrays):
         """An update's rows as they can wait: a sealed frame opened (and so
-        checked) now, in place; a co-located worker's shared-memory rows
-        copied, since it reuses that memory once the clock is acknowledged;
-        received frames as they are."""
+        checked) now, in place; received frames, and a co-located worker's
+        shared memory, as they are (a worker writes an upload buffer again
+        only once every shard's rows of a later clock came, and a clock
+        completes only after its held updates went in)."""
         if self._unopened is not None:
             opened = self._unopened.open_as(arrays[0].dtype, arrays[0].shape)
             self._unopened = None
             return [opened]
-        if "ref" in message.meta:
-            return [np.array(a) for a in arrays]
         return list(arrays)
 
     def _hold(self, table, clk, held):

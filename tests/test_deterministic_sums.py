@@ -213,3 +213,49 @@ def test_a_worker_that_dies_mid_clock_releases_the_updates_after_it():
         for p in peers:
             p.close()
         server.stop()
+
+
+@pytest.mark.parametrize("slack", [0, 1])
+def test_shared_memory_updates_wait_their_turn_in_place(thread_cluster,
+                                                        slack):
+    """Co-located workers write their updates into the shared upload
+    buffers the shards read (`update_target`), and worker 0 always comes
+    last: the shards hold the others' rows where they are, without a
+    copy, and the worker writes such a buffer again only once its clock is
+    complete, so the sums equal numpy's in worker order bit for bit."""
+    clocks, shape = 6, (300, 40)
+    rng = np.random.default_rng(11)
+    deltas = (rng.standard_normal((clocks, WORKERS) + shape)
+              * 10.0 ** rng.integers(-3, 7, (clocks, WORKERS, shape[0], 1))
+              ).astype(np.float32)
+    cluster = thread_cluster(2, WORKERS, settings=ShardSettings(
+        deterministic_sums=True, shared_memory=True))
+
+    def body(client, w):
+        table = client.create_table("t", *shape)
+        for clk in range(clocks):
+            client.read(table)  # as training would, before its update
+            if w == 0:
+                time.sleep(0.05)  # the others' updates come first
+            target = client.update_target(table)
+            assert target is not None
+            target[:] = deltas[clk, w]
+            client.update(table, target, copy=False)
+            client.clock()
+        # (with slack s, a read at clock c may lack the last s clocks)
+        return client.read(table, clock=clocks + slack), client.stats()
+
+    from tests.worker_threads import run_clients  # noqa: PLC0415
+    results = run_clients(cluster, body, timeout=20, slack=slack)
+    expected = np.zeros(shape, np.float32)
+    for clk in range(clocks):
+        for w in range(WORKERS):
+            expected = expected + deltas[clk, w]
+    for rows, stats in results.values():
+        np.testing.assert_array_equal(rows, expected)
+        assert stats["shm_bytes_sent"] > 0
+    stats = [server.snapshot_stats() for server in cluster.shards]
+    assert sum(s["updates_held"] for s in stats) > 0
+    assert sum(s["shm_bytes_in"] for s in stats) > 0
+    assert all(t["held_updates"] == 0 for s in stats
+               for t in s["tables"].values())
