@@ -90,8 +90,8 @@ class ShardSettings:
             parameters (float addition is not associative: three updates
             added in another order round differently), a restarted shard's
             replay included. An update whose turn has not come (a worker
-            before its worker has not finished the clock) is held, and
-            counts against max_table_bytes, until it has; so are updates
+            numbered below its sender has not finished the clock) is held,
+            counted against max_table_bytes, until it has; so are updates
             of clocks ahead of the table's (SSP). Defaults to False.
     """
 
