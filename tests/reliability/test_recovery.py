@@ -149,6 +149,51 @@ def test_sigkill_shard_restore_and_replay_lose_and_repeat_nothing(tmp_path):
         cluster.stop()
 
 
+def test_a_restarted_shard_with_deterministic_sums_ends_bit_identical(
+        tmp_path):
+    """4 workers push float updates of magnitudes far apart (their sums
+    depend on the order of the adds) to 2 shards with
+    --deterministic-sums; shard 1 is SIGKILLed mid-run and restored from
+    its checkpoint while the workers replay: the final rows equal numpy's
+    worker-order sums bit for bit, as an undisturbed run's would."""
+    clocks, workers, shape = 16, 4, (1024, 128)  # split over both shards
+    rng = np.random.default_rng(13)
+    deltas = (rng.standard_normal((clocks, workers) + shape)
+              * 10.0 ** rng.integers(-3, 7, (clocks, workers, shape[0], 1))
+              ).astype(np.float32)
+    args = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "4",
+            "--deterministic-sums"]
+    cluster = LocalCluster(2, workers, processes=True, shard_args=args,
+                           output=None)
+
+    def run(w):
+        with cluster.client(w, timeout=60,
+                            heartbeat_interval=0.2) as client:
+            table = client.create_table("t", *shape)
+            for clk in range(clocks):
+                client.read(table)
+                client.update(table, deltas[clk, w])
+                client.clock()
+                if w == 0 and clk == 9:
+                    _restart(cluster, 1, ["--restore"])
+            return client.read(table, clock=clocks)
+
+    try:
+        results, errors = run_worker_threads(workers, run, timeout=180)
+        assert not errors, errors[0]
+        expected = np.zeros(shape, np.float32)
+        for clk in range(clocks):
+            for w in range(workers):
+                expected = expected + deltas[clk, w]
+        for w in range(workers):
+            np.testing.assert_array_equal(results[w], expected)
+        stats = cluster.client(0).shard_stats()
+        assert stats[1]["restored_clock"] in (4, 8)
+        assert all(s["deterministic_sums"] for s in stats)
+    finally:
+        cluster.stop()
+
+
 def test_a_replay_up_to_max_pending_clocks_ahead_is_taken(tmp_path):
     """With checkpoints every K = 3 clocks and max_pending_clocks = 2 (the
     least K allows), the shard is killed after worker 0's clock 17 and
