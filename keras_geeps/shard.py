@@ -193,7 +193,7 @@ class _Table:
         self.updated = np.full(num_workers, -1, np.int64)  # last clock sent
         self.global_clock = 0
         self.pending = {}  # clock >= global_clock -> _Pending
-        self.held = {}  # clock -> [_HeldUpdate] (deterministic_sums)
+        self.held = {}  # clock -> [_Update] (deterministic_sums)
         self.subscribers = set()
         self.snapshot = None      # (clock, rows) taken for the next write
         self.lent = None          # (clock, worker, rows, SharedBuffer)
@@ -290,15 +290,17 @@ class _Pending:
         return self.buffer
 
 
-class _HeldUpdate:
-    """An update waiting for its turn (`ShardSettings.deterministic_sums`):
-    the updates of the workers before its own in this clock come first.
+class _Update:
+    """The rows of one UPDATE, added to its clock's `_Pending` at once or,
+    held until its turn (`ShardSettings.deterministic_sums`), once the
+    updates of the workers before its own in that clock went in.
 
     Args:
         worker: who sent it.
         row: the row its (first) array starts at; ignored with `index`.
         arrays: its rows (received frames, or a co-located worker's
-            shared memory it does not write again before the clock ends).
+            shared memory, which it does not write again before the clock
+            ends).
         index: the row ids of an indexed update (its one array), or None.
     """
 
@@ -1396,31 +1398,23 @@ class ShardServer:
             for array in arrays:
                 self._check_rows(table, array, row)
                 row += array.shape[0]
+        update = _Update(worker, message.meta.get("chunk_row", 0),
+                         [rows] if indexed else arrays,
+                         index if indexed else None)
         if self.settings.deterministic_sums and \
                 not self._in_turn(table, worker, clk):
-            self._hold(table, clk, _HeldUpdate(
-                worker, message.meta.get("chunk_row", 0),
-                self._rows_to_hold(arrays if not indexed else [rows]),
-                index if indexed else None))
-            table.updated[worker] = clk
-            self.stats["updates_applied"] += 1
-            return
-        pending = table.pending.get(clk)
-        if pending is None:
-            self._check_room(table, clk, table.nbytes, table)
-            base = table.data if table.ready and \
-                clk == table.global_clock else None
-            pending = table.pending[clk] = _Pending(table.pool.get(), base)
-        if indexed:
-            pending.add_indexed(index, rows)
-        elif self._unopened is not None:  # one sealed frame: checked above
-            pending.add_sealed(message.meta.get("chunk_row", 0), arrays[0],
-                               self._unopened)
+            update.arrays = self._rows_to_hold(update.arrays)
+            self._hold(table, clk, update)
         else:
-            row = message.meta.get("chunk_row", 0)
-            for array in arrays:
-                pending.add(row, array)
-                row += array.shape[0]
+            if clk not in table.pending:
+                self._check_room(table, clk, table.nbytes, table)
+            pending = self._pending_for(
+                table, clk, table.data if table.ready and
+                clk == table.global_clock else None)
+            if self._unopened is not None:  # one sealed frame: checked above
+                pending.add_sealed(update.row, arrays[0], self._unopened)
+            else:
+                update.add_to(pending)
         # No ACK per update: requests are handled in order, so the ACK of
         # the CLOCK that follows acknowledges every update before it.
         table.updated[worker] = clk
@@ -1462,7 +1456,7 @@ class ShardServer:
         return list(arrays)
 
     def _hold(self, table, clk, held):
-        """Keeps `held` (a `_HeldUpdate`) until its turn, within
+        """Keeps `held` (an `_Update`) until its turn, within
         max_table_bytes (with the clock's rows buffer, if it has none
         yet)."""
         fresh = clk not in table.pending and clk not in table.held
@@ -1490,11 +1484,18 @@ class ShardServer:
             table.held[clk] = rest
         else:
             del table.held[clk]
+        pending = self._pending_for(table, clk, base)
+        for update in due:
+            update.add_to(pending)
+
+    @staticmethod
+    def _pending_for(table, clk, base):
+        """The `_Pending` of clock `clk` of `table`, made on `base` (see
+        `_Pending`) if it has none yet."""
         pending = table.pending.get(clk)
         if pending is None:
             pending = table.pending[clk] = _Pending(table.pool.get(), base)
-        for update in due:
-            update.add_to(pending)
+        return pending
 
     def _adopt_lent(self, table, worker, clk, message):
         """An UPDATE whose rows + update the worker wrote into the buffer

@@ -1,6 +1,7 @@
 """`ShardSettings.deterministic_sums`: a clock's updates are added in
 worker order, whatever order they arrive in, so reruns are bit-identical."""
 
+import contextlib
 import time
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 from keras_geeps.protocol import MsgType
 from keras_geeps.shard import ShardServer, ShardSettings
 from tests.test_shard import RawPeer
+from tests.worker_threads import run_clients
 
 WORKERS = 3
 CLOCKS = 4
@@ -68,21 +70,34 @@ def _arrival(plan, seed):
     return events
 
 
-def _run(settings, base, events):
-    """Drives a 3-worker shard through `events`; returns the final rows and
-    the shard's stats."""
-    server = ShardServer("tcp://127.0.0.1:0", 0, 1, WORKERS, settings).start()
-    peers = [RawPeer(server.address, w) for w in range(WORKERS)]
+@contextlib.contextmanager
+def _shard(settings, base, workers=WORKERS):
+    """A thread shard and a raw peer per worker, each past its HELLO:
+    worker 0 created table 0 with rows `base`, the others declared it.
+    Yields (server, peers)."""
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, workers, settings).start()
+    peers = [RawPeer(server.address, w) for w in range(workers)]
     try:
         for p in peers:
             assert p.ask(MsgType.HELLO, meta={
-                "num_workers": WORKERS, "num_shards": 1}).type == \
-                MsgType.WELCOME
+                "num_workers": workers, "num_shards": 1,
+                "incarnation": 1}).type == MsgType.WELCOME
         assert peers[0].ask(MsgType.CREATE, table=0, arrays=[base],
                             meta=dict(SPEC, chunk_row=0)).type == MsgType.ACK
         for p in peers[1:]:
             assert p.ask(MsgType.DECLARE, table=0, meta=SPEC).type == \
                 MsgType.ACK
+        yield server, peers
+    finally:
+        for p in peers:
+            p.close()
+        server.stop()
+
+
+def _run(settings, base, events):
+    """Drives a 3-worker shard through `events`; returns the final rows and
+    the shard's stats."""
+    with _shard(settings, base) as (server, peers):
         for worker, clk, update in events:
             p = peers[worker]
             if update is None:
@@ -100,10 +115,6 @@ def _run(settings, base, events):
         reply = peers[0].ask_past_pushes(MsgType.READ, table=0, clk=CLOCKS)
         assert reply.type == MsgType.ROWS, reply
         return reply.arrays[0].copy(), server.snapshot_stats()
-    finally:
-        for p in peers:
-            p.close()
-        server.stop()
 
 
 @pytest.mark.parametrize("order", [1, 2, 3])
@@ -138,16 +149,9 @@ def test_held_updates_count_against_the_memory_limit():
     table_bytes = SHAPE[0] * SHAPE[1] * 4
     settings = ShardSettings(deterministic_sums=True,
                              max_table_bytes=6 * table_bytes)
-    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 2, settings).start()
-    peers = [RawPeer(server.address, w) for w in range(2)]
-    try:
-        for p in peers:
-            p.ask(MsgType.HELLO, meta={"num_workers": 2, "num_shards": 1})
-        base = np.zeros(SHAPE, np.float32)
-        peers[0].ask(MsgType.CREATE, table=0, arrays=[base],
-                     meta=dict(SPEC, chunk_row=0))
+    with _shard(settings, np.zeros(SHAPE, np.float32), workers=2) as (
+            server, peers):
         late = peers[1]
-        late.ask(MsgType.DECLARE, table=0, meta=SPEC)
         # Worker 0 has not finished clock 0: worker 1's updates wait.
         for _ in range(10):
             late.send(late.message(MsgType.UPDATE, table=0, clk=0,
@@ -166,10 +170,6 @@ def test_held_updates_count_against_the_memory_limit():
         assert late.ask(MsgType.CLOCK, table=0, clk=0).type == MsgType.ACK
         reply = late.ask_past_pushes(MsgType.READ, table=0, clk=1)
         np.testing.assert_array_equal(reply.arrays[0], np.full(SHAPE, held))
-    finally:
-        for p in peers:
-            p.close()
-        server.stop()
 
 
 def test_a_worker_that_dies_mid_clock_releases_the_updates_after_it():
@@ -179,16 +179,8 @@ def test_a_worker_that_dies_mid_clock_releases_the_updates_after_it():
     settings = ShardSettings(deterministic_sums=True, worker_timeout=0.5,
                              on_worker_failure="continue",
                              shared_memory=False)
-    server = ShardServer("tcp://127.0.0.1:0", 0, 1, WORKERS, settings).start()
-    peers = [RawPeer(server.address, w) for w in range(WORKERS)]
-    try:
-        for p in peers:
-            p.ask(MsgType.HELLO, meta={"incarnation": 1})
-        base = np.full(SHAPE, 1.5, np.float32)
-        peers[0].ask(MsgType.CREATE, table=0, arrays=[base],
-                     meta=dict(SPEC, chunk_row=0))
-        for p in peers[1:]:
-            p.ask(MsgType.DECLARE, table=0, meta=SPEC)
+    base = np.full(SHAPE, 1.5, np.float32)
+    with _shard(settings, base) as (server, peers):
         updates = [u[0][2] for u in _updates(seed=3)[0]]
         for w in (2, 0, 1):
             peers[w].send(peers[w].message(MsgType.UPDATE, table=0, clk=0,
@@ -209,10 +201,6 @@ def test_a_worker_that_dies_mid_clock_releases_the_updates_after_it():
         np.testing.assert_array_equal(
             reply.arrays[0], ((base + updates[0]) + updates[1]) + updates[2])
         assert server.snapshot_stats()["tables"]["0"]["held_updates"] == 0
-    finally:
-        for p in peers:
-            p.close()
-        server.stop()
 
 
 @pytest.mark.parametrize("slack", [0, 1])
@@ -245,7 +233,6 @@ def test_shared_memory_updates_wait_their_turn_in_place(thread_cluster,
         # (with slack s, a read at clock c may lack the last s clocks)
         return client.read(table, clock=clocks + slack), client.stats()
 
-    from tests.worker_threads import run_clients  # noqa: PLC0415
     results = run_clients(cluster, body, timeout=20, slack=slack)
     expected = np.zeros(shape, np.float32)
     for clk in range(clocks):
