@@ -9,6 +9,7 @@ handshake: it reads nothing, and its first request times out with an error
 that names the likely cause.
 """
 
+import hmac
 import os
 import re
 
@@ -109,6 +110,33 @@ def key_owners(allowed_clients_dir):
 DATA_ZAP_DOMAIN = "keras-geeps-data"
 
 
+class _ShardAuthenticator(ThreadAuthenticator):
+    """pyzmq's ZAP thread, with one-use tokens on the data socket.
+
+    PLAIN sends its password in the clear, so the token a WELCOME (over
+    CURVE) gave for a sealed session is seen on the wire by the time it
+    is used. Each token therefore admits one connection: the first that
+    names its session and presents it, the worker's own. A copy seen on
+    the wire is already spent; the worker's own reconnect after a broken
+    connection is refused too, and the worker starts a new session
+    (HELLO), as it does when messages were lost. Checked in constant
+    time; a wrong token spends nothing.
+    """
+
+    def _authenticate_plain(self, domain, username, password):
+        if domain != DATA_ZAP_DOMAIN:
+            return super()._authenticate_plain(domain, username, password)
+        tokens = self.passwords.get(domain, {})
+        token = tokens.get(username)
+        if token is None:
+            return False, b"no such session (or its token was used)"
+        if not hmac.compare_digest(token.encode(), password.encode()):
+            return False, b"wrong session token"
+        if tokens.pop(username, None) is None:  # ended meanwhile
+            return False, b"no such session"
+        return True, b"OK"
+
+
 class ShardAuth:
     """Makes a shard's ROUTER socket a CURVE server for allowed clients.
 
@@ -128,7 +156,7 @@ class ShardAuth:
                              f"does not exist")
         self.public, self.secret = public, secret
         self.key_owners = key_owners(allowed_clients_dir)
-        self.authenticator = ThreadAuthenticator(context)
+        self.authenticator = _ShardAuthenticator(context)
         self.authenticator.start()
         self.authenticator.configure_curve(domain="*",
                                            location=allowed_clients_dir)
@@ -152,12 +180,13 @@ class ShardAuth:
         """Configures `socket` (before bind) to take only connections that
         name a live session and its token (ZAP, PLAIN mechanism): the
         sealed data socket, so that nobody without a session gets anything
-        buffered there.
+        buffered there. A token admits one connection (`_ShardAuthenticator`).
 
         Args:
             socket: the data ROUTER socket.
             tokens: a dict {session id (hex): token (hex)} the caller keeps
-                current; the ZAP thread reads it at each connection.
+                current; the ZAP thread reads it at each connection and
+                removes a token once it admitted one.
         """
         self.authenticator.passwords[DATA_ZAP_DOMAIN] = tokens
         socket.zap_domain = DATA_ZAP_DOMAIN.encode()

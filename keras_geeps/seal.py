@@ -11,8 +11,8 @@ socket, each frame sealed with AEGIS-256X4, the AEAD of the CFRG's AEGIS
 draft (libaegis through the `pyaegis` package: AES-NI/VAES, about 30 GB/s
 per core here, three times OpenSSL's AES-256-GCM), so the bulk rows cost
 one cheap cipher pass per side. The data socket admits only connections
-that name a live session and its random token (ZAP,
-`auth.ShardAuth.apply_session_check`); heartbeats stay on CURVE.
+that name a live session and its random token, one connection per token
+(ZAP, `auth.ShardAuth.apply_session_check`); heartbeats stay on CURVE.
 
 A sealed message is the frames
 

@@ -701,11 +701,11 @@ class ShardServer:
     def _open_data_socket(self, address):
         """The plain ROUTER that sealed messages travel on (with CURVE)."""
         seal.require()  # a shard with CURVE keys seals its data channel
-        # Connections must name a live session and its token (ZAP), so a
-        # stranger gets nothing buffered here. No ROUTER_HANDOVER: a second
-        # connection under a session's routing id (seen in the clear on
-        # the wire) must not take over the worker's replies; its own
-        # reconnect comes after the old connection closed.
+        # Connections must name a live session and its token (ZAP), and a
+        # token admits one connection (the worker's first: one seen in the
+        # clear on the wire is spent), so a stranger gets nothing buffered
+        # here. No ROUTER_HANDOVER either: a second connection under a
+        # session's routing id must not take over the worker's replies.
         sock, self.data_address = self._bind_router(
             address, lambda s: self._auth.apply_session_check(
                 s, self._session_tokens), frame_overhead=seal.TAG_BYTES)
@@ -1092,7 +1092,7 @@ class ShardServer:
         self._sessions[route] = _Session(worker, channel, seal.Sender(
             channel, lambda frames, track: self._send_to(
                 self._data, [route] + frames, track), ready=False))
-        token = os.urandom(16).hex()  # lets it connect (not a key)
+        token = os.urandom(16).hex()  # lets it connect once (not a key)
         self._session_tokens[route.hex()] = token
         self._identities[worker] = ("sealed", route)
         port = int(self.data_address.rsplit(":", 1)[1])

@@ -131,11 +131,11 @@ def test_a_broken_connection_loses_nothing_and_applies_nothing_twice():
 
 @pytest.mark.slow
 def test_a_sealed_link_that_breaks_loses_nothing(keys):
-    """With CURVE keys the rows go over the sealed data link, whose socket
-    keeps its routing id across a reconnect: the shard, or the worker,
-    tells the loss by the gap in the sealed counters (`seal.SealGap`),
-    the session is ended, and the worker's HELLO over CURVE starts a new
-    one over which it resends. Both links go through forwarders on
+    """With CURVE keys the rows go over the sealed data link, whose
+    session token admits one connection: the reconnect after a cut is
+    refused, the worker's HELLO over CURVE starts a new session and it
+    resends there what the shard did not acknowledge (what arrived before
+    the cut is then a duplicate, dropped). Both links go through forwarders on
     127.0.0.2 (the data link keeps the shard's port number there); the
     data link is cut mid-update and mid-push."""
     with keyed_cluster(keys, workers=2) as cluster, \
