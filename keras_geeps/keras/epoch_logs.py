@@ -11,17 +11,11 @@ and reads it at exactly that clock (a barrier at every epoch end); the logs
 then hold the mean over the workers that took part (a dead worker, under
 `on_worker_failure="continue"`, is no longer counted).
 
-The table (`TABLE`, one per client, fixed width) has two rows; epoch end
-c writes row c % 2. A row holds a count and a hash of the keys, then per
-key (in sorted order) its finite value and how many workers sent NaN, +inf
-and -inf; the figures are read as the row's change between the two clocks.
-Non-finite values never enter the table, so one NaN cannot poison later
-epochs, and while row c % 2 takes the figures, worker 0 subtracts the other
-row's contents from it (x - x is exactly 0): each epoch starts from a zero
-row, so a huge loss in one epoch costs the next ones no precision. (Without
-a live worker 0 the change is still exact in its counts, and its values
-lose only what float64 loses next to the leftovers.) Workers whose logs
-have different keys get a clear error instead of a mean of unlike values.
+The table (`TABLE`, one per client, two rows of fixed width: room for
+`MAX_KEYS` numbers) is a `keras/worker_mean.WorkerMean`, keyed by a hash of
+the logs' keys: workers whose logs have different keys get a clear error
+instead of a mean of unlike values, and a NaN or an infinity in one epoch
+does not poison the later ones.
 
 Epoch ends must line up across workers, as BSP `fit` needs anyway: a
 worker that restarts mid-job (`on_worker_failure="continue"`) would leave
@@ -34,12 +28,10 @@ import zlib
 import numpy as np
 
 from keras_geeps.errors import GeePSError, GeePSTimeoutError
+from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE = "keras_geeps.epoch_logs"
 MAX_KEYS = 256
-_HEAD = 2                 # count, key hash
-_PER_KEY = 4              # finite value, #NaN, #+inf, #-inf
-WIDTH = _HEAD + _PER_KEY * MAX_KEYS
 
 
 def _numeric(value):
@@ -79,15 +71,7 @@ class EpochLogAverager:
 
     def __init__(self, client):
         self.client = client
-
-    def _table(self):
-        try:
-            return self.client.table(TABLE)  # (another strategy's client)
-        except KeyError:
-            pass
-        # Every worker averages at the same epoch ends, so they all create
-        # it at the same point of their table order, as table ids need.
-        return self.client.create_table(TABLE, 2, WIDTH, dtype="float64")
+        self._mean = WorkerMean(client, TABLE, MAX_KEYS)
 
     def average(self, logs):
         """Replaces the numbers in `logs` (in place) by their mean over the
@@ -113,50 +97,20 @@ class EpochLogAverager:
                 f"{len(keys)} numbers in the epoch logs: at most {MAX_KEYS} "
                 f"can be averaged over the workers (pass GeePSStrategy("
                 f"average_epoch_logs=False))")
-        key_hash = float(zlib.crc32("\0".join(keys).encode()))
+        row = np.zeros(MAX_KEYS)
+        row[:len(keys)] = [values[k] for k in keys]
         try:
-            table = self._table()
-            clock, slack = table.clock, self.client.slack
-            write = clock % 2
-            # At exactly this clock and the next: no worker can be past
-            # the clock this one is at, so the rows are those of the clock.
-            rows_before = self.client.read(table, clock=clock + slack)
-            before = rows_before[write]
-            rows = np.zeros((2, WIDTH))
-            row = rows[write]
-            row[0], row[1] = 1.0, key_hash
-            for i, key in enumerate(keys):
-                value, at = values[key], _HEAD + _PER_KEY * i
-                row[at + 1:at + 4] = (np.isnan(value), value == np.inf,
-                                      value == -np.inf)
-                if np.isfinite(value):
-                    row[at] = value
-            if self.client.worker_id == 0:  # the next epoch's row: to zero
-                rows[1 - write] = -rows_before[1 - write]
-            self.client.update(table, rows)
-            self.client.clock([table])
-            after = self.client.read(table, clock=clock + 1 + slack)[write]
+            means = self._mean.mean(
+                row, key=float(zlib.crc32("\0".join(keys).encode())),
+                mismatch=f"the workers' epoch logs have different keys (this "
+                         f"worker: {keys}): give every worker the same "
+                         f"metrics and validation settings")
         except GeePSTimeoutError as exc:
             raise GeePSTimeoutError(
                 f"averaging the epoch logs: a worker did not reach this "
                 f"epoch's end (epoch ends must line up across workers): "
                 f"{exc}") from exc
-        change = after - before
-        count = int(round(change[0]))
-        if count < 1 or change[1] != count * key_hash:
-            raise GeePSError(
-                f"the workers' epoch logs have different keys (this worker: "
-                f"{keys}): give every worker the same metrics and "
-                f"validation settings")
         for i, key in enumerate(keys):
-            at = _HEAD + _PER_KEY * i
-            nan, pos, neg = np.round(change[at + 1:at + 4])
-            if nan or (pos and neg):
-                mean = float("nan")
-            elif pos or neg:
-                mean = float("inf") if pos else float("-inf")
-            else:
-                mean = float(change[at] / count)
-            flat[key] = mean
+            flat[key] = float(means[i])
         logs.clear()
         logs.update(flat)
