@@ -279,7 +279,8 @@ def install_fit_hooks():
 
     - `on_epoch_end` first averages the logs through the trained model's
       strategy (`strategy.epoch_logs`, when it has one), so every
-      epoch-end callback sees the workers' mean;
+      epoch-end callback sees the workers' mean, and then the model's
+      non-trainable statistics (`strategy.non_trainable`);
     - `on_train_end` first has each `ParameterServerCallback` in the list
       bring the weights to the shards' latest, so a callback that then sets
       weights (`EarlyStopping(restore_best_weights=True)`) keeps them
@@ -303,11 +304,14 @@ def install_fit_hooks():
 
     @functools.wraps(on_epoch_end)
     def averaged(self, epoch, logs=None):
-        strategy = getattr(getattr(self, "_model", None),
-                           "distribute_strategy", None)
+        model = getattr(self, "_model", None)
+        strategy = getattr(model, "distribute_strategy", None)
         averager = getattr(strategy, "epoch_logs", None)
         if averager is not None and logs is not None:
             averager.average(logs)  # before any callback sees them
+        statistics = getattr(strategy, "non_trainable", None)
+        if statistics is not None:  # (BatchNorm's: the workers' mean)
+            statistics.average(model)
         return on_epoch_end(self, epoch, logs)
 
     @functools.wraps(on_train_end)

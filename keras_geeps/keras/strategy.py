@@ -7,6 +7,7 @@ from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
 from keras_geeps.keras.epoch_logs import EpochLogAverager
+from keras_geeps.keras.non_trainable import NonTrainableAverager
 from keras_geeps.keras.sync import ParameterSync, check_update_mode
 from keras_geeps.memory.planner import check_budget
 
@@ -32,9 +33,10 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
     `scope()`, pass `jit_compile=False` (XLA cannot run the sync), and give
     `fit` the strategy's `callbacks()` so that every epoch reports its
     parameter-server figures and every worker ends with the same trainable
-    weights (non-trainable state, e.g. BatchNorm statistics, and optimizer
-    state stay each worker's own; under `use_ema` the workers' mean moving
-    averages). An error of a step's pull or push (`GeePSTimeoutError`,
+    weights (under `use_ema` the workers' mean moving averages) and the
+    same BatchNorm statistics (their mean over the workers, taken at every
+    epoch end: `average_non_trainable`); optimizer state stays each
+    worker's own. An error of a step's pull or push (`GeePSTimeoutError`,
     `GeePSWorkerFailedError`, ...) comes out of `fit`, `evaluate`,
     `predict` and `*_on_batch` as itself, not as TensorFlow's
     `UnknownError`.
@@ -93,12 +95,22 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             reads of a small table; under SSP the slack is spent there)
             and needs epoch ends that line up across workers
             (`keras/epoch_logs.py`). Defaults to True.
+        average_non_trainable: at every epoch end of `fit` (before the
+            callbacks), replace the model's non-trainable statistics
+            (BatchNorm's moving mean and variance: the non-trainable
+            floating-point variables no frozen layer holds) by their mean
+            over the live workers, so that every worker, and the model it
+            saves, normalises by the statistics of all the data, as TF's
+            MirroredStrategy reads them. Costs a barrier at every epoch
+            end when the model has such variables (none otherwise) and,
+            like `average_epoch_logs`, needs epoch ends that line up
+            across workers (`keras/non_trainable.py`). Defaults to True.
     """
 
     def __init__(self, cluster=None, slack=0, update_mode="average",
                  timeout=120.0, device=None, client=None, curve=None,
                  device_memory_budget=None, capture_updates=True,
-                 average_epoch_logs=True):
+                 average_epoch_logs=True, average_non_trainable=True):
         check_update_mode(update_mode)
         if device_memory_budget is not None:
             check_budget(device_memory_budget, "device_memory_budget")
@@ -111,6 +123,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                        capture_updates)
             self.epoch_logs = EpochLogAverager(client) \
                 if average_epoch_logs else None
+            self.non_trainable = NonTrainableAverager(client) \
+                if average_non_trainable else None
             _tf_hooks.install_fit_hooks()
         except BaseException:
             if own_client:  # its I/O thread would keep heartbeating
@@ -231,7 +245,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         Waits until the tables reflect every worker's last clock (ignoring
         the slack), then assigns them: after the same number of steps,
         every worker then holds identical trainable weights (non-trainable
-        ones, e.g. BatchNorm statistics, stay each worker's own). Under a
+        ones, e.g. BatchNorm statistics, are averaged at `fit`'s epoch
+        ends, `average_non_trainable`, not here). Under a
         memory budget the staged layers first get their variables back
         (`LayerwiseTrainer.materialize()`).
         """

@@ -27,10 +27,13 @@ def digits():
     return x, y
 
 
-def build_model():
+def build_model(batchnorm=False):
+    normalise = [keras.layers.BatchNormalization(momentum=0.5, name="bn")] \
+        if batchnorm else []
     return keras.Sequential([
         keras.Input((64,)),
         keras.layers.Dense(32, activation="relu", name="hidden"),
+        *normalise,
         keras.layers.Dense(10, name="logits"),
     ])
 
@@ -124,6 +127,10 @@ def main():
                         "worker 1's labels shuffled (its val_loss rises)")
     parser.add_argument("--no-capture", action="store_true",
                         help="GeePSStrategy(capture_updates=False)")
+    parser.add_argument("--batchnorm", action="store_true",
+                        help="a BatchNormalization layer after the hidden")
+    parser.add_argument("--own-statistics", action="store_true",
+                        help="GeePSStrategy(average_non_trainable=False)")
     parser.add_argument("--early-stop", action="store_true",
                         help="EarlyStopping(patience=0) on val_loss")
     parser.add_argument("--save", action="store_true")
@@ -141,14 +148,15 @@ def main():
     keras.utils.set_random_seed(0)
     strategy = keras_geeps.GeePSStrategy(
         slack=args.slack, timeout=args.timeout,
-        capture_updates=not args.no_capture)
+        capture_updates=not args.no_capture,
+        average_non_trainable=not args.own_statistics)
     w = strategy.worker_id
     x, y = digits()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
     if args.max_steps:
         ds = ds.take(args.max_steps * strategy.num_workers)
     with strategy.scope():
-        model = build_model()
+        model = build_model(batchnorm=args.batchnorm)
         compile_model(model, args.optimizer, args.lr,
                       args.steps_per_execution, ema=args.ema)
     callbacks = strategy.callbacks()

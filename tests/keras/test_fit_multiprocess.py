@@ -192,3 +192,39 @@ def test_custom_loop_example_runs(tmp_path):
         # Loss starts near 2.3; 4 epochs of SGD bring it under 0.5.
         assert result["final_loss"] < 0.5 and result["accuracy"] > 0.85
         assert result["clock"] == result["steps"] > 0
+
+
+def test_batchnorm_statistics_end_as_the_workers_mean(tmp_path):
+    """Each worker's BatchNorm keeps statistics of its own batches; at the
+    epoch end they become the mean over the workers, on every worker. One
+    epoch: the averaging does not change the training itself (BatchNorm
+    normalises by the batch while training), so the run where each keeps
+    its own tells what the mean must be."""
+    import keras  # noqa: PLC0415
+
+    from tests.keras import fit_worker  # noqa: PLC0415
+    statistics = [i for i, v in enumerate(
+        fit_worker.build_model(batchnorm=True).weights) if not v.trainable]
+    assert len(statistics) == 2  # moving mean and variance
+    keras.backend.clear_session()
+    args = ["--batchnorm", "--batch", "16", "--max-steps", "12"]
+    runs = {}
+    for name, extra in (("own", ["--own-statistics"]), ("mean", [])):
+        (tmp_path / name).mkdir()
+        runs[name] = [weights for weights, _ in
+                      _run(tmp_path / name, *args, *extra)]
+    own, mean = runs["own"], runs["mean"]
+    for i, (a, b) in enumerate(zip(*own)):
+        if i in statistics:  # each its own data's
+            assert float(np.abs(a - b).max()) > 1e-3
+        else:
+            np.testing.assert_array_equal(a, b)
+    for i in statistics:
+        np.testing.assert_array_equal(mean[0][i], mean[1][i])
+        expected = (own[0][i].astype(np.float64) + own[1][i]) / 2
+        # (two runs' float sums differ by arrival order: ~1e-7)
+        np.testing.assert_allclose(mean[0][i], expected, rtol=1e-5,
+                                   atol=1e-5)
+    for i, (ours, theirs) in enumerate(zip(mean[0], own[0])):
+        if i not in statistics:  # the training itself: the same
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)

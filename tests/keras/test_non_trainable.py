@@ -1,0 +1,137 @@
+"""Non-trainable statistics averaged over workers through a shard table
+(real shards; each worker thread builds its own Keras model)."""
+
+import threading
+
+import keras
+import numpy as np
+import pytest
+
+from keras_geeps.errors import GeePSError
+from keras_geeps.keras import non_trainable
+from keras_geeps.keras.non_trainable import NonTrainableAverager
+from keras_geeps.keras.worker_mean import WorkerMean
+from tests.worker_threads import run_clients, run_worker_threads
+
+_BUILD = threading.Lock()  # (Keras' name scopes are global: build in turn)
+
+
+def _model(bn_name="bn"):
+    with _BUILD:
+        model = keras.Sequential([
+            keras.Input((3,)),
+            keras.layers.Dense(4, name="dense"),
+            keras.layers.BatchNormalization(name=bn_name),
+            keras.layers.BatchNormalization(name="frozen"),
+            keras.layers.Dropout(0.5, seed=1, name="dropout"),  # int state
+            keras.layers.Dense(2, name="head"),
+        ], name="model")
+    model.get_layer("frozen").trainable = False
+    return model
+
+
+def _set_statistics(model, w):
+    rng = np.random.default_rng(w)
+    for name in ("bn", "frozen"):
+        layer = model.get_layer(name)
+        layer.moving_mean.assign(rng.normal(size=4).astype(np.float32))
+        layer.moving_variance.assign(
+            rng.uniform(0.5, 2.0, size=4).astype(np.float32))
+
+
+def _statistics(model, name):
+    layer = model.get_layer(name)
+    return [np.array(v.numpy()) for v in (layer.moving_mean,
+                                          layer.moving_variance)]
+
+
+def test_only_trainable_layers_float_statistics_are_averaged():
+    model = _model()
+    names = [v.path for v in non_trainable.averaged_variables(model)]
+    assert names == ["model/bn/moving_mean", "model/bn/moving_variance"]
+    model.trainable = False  # a frozen model: nothing to average
+    assert non_trainable.averaged_variables(model) == []
+
+
+def test_every_worker_gets_the_mean_statistics(thread_cluster):
+    cluster = thread_cluster(2, 3)
+
+    def epochs(client, w):
+        model = _model()
+        _set_statistics(model, w)
+        own = _statistics(model, "bn"), _statistics(model, "frozen")
+        averager = NonTrainableAverager(client)
+        seen = []
+        for _ in range(2):  # a second epoch end: the mean of equal values
+            assert averager.average(model) == 2
+            seen.append(_statistics(model, "bn"))
+        return own, seen, _statistics(model, "frozen")
+
+    results = run_clients(cluster, epochs, timeout=30)
+    for i in range(2):  # moving_mean, moving_variance
+        # float64 sum of the float32 values, divided, rounded to float32
+        expected = (sum(results[w][0][0][i].astype(np.float64)
+                        for w in range(3)) / 3).astype(np.float32)
+        assert not np.array_equal(results[0][0][0][i],
+                                  results[1][0][0][i])
+        for w in range(3):
+            _, seen, frozen = results[w]
+            for epoch in range(2):
+                np.testing.assert_array_equal(seen[epoch][i], expected)
+            # A frozen layer keeps its own statistics.
+            np.testing.assert_array_equal(frozen[i], results[w][0][1][i])
+
+
+def test_one_worker_is_left_alone(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=5) as client:
+        model = _model()
+        _set_statistics(model, 0)
+        before = _statistics(model, "bn")
+        assert NonTrainableAverager(client).average(model) == 0
+        for a, b in zip(before, _statistics(model, "bn")):
+            np.testing.assert_array_equal(a, b)
+        # No table was made for it (creating one by that name works).
+        client.create_table(f"{non_trainable.TABLE_PREFIX}.0", 2, 3,
+                            "float64")
+
+
+def test_workers_with_different_models_get_a_clear_error(thread_cluster):
+    cluster = thread_cluster(1, 2)
+
+    def epoch(w):
+        with cluster.client(w, timeout=20) as client:
+            # As many values, under other names on worker 1.
+            NonTrainableAverager(client).average(
+                _model("bn" if w == 0 else "norm"))
+
+    _, errors = run_worker_threads(2, epoch)
+    assert len(errors) == 2
+    assert all(isinstance(e, GeePSError) and
+               "different non-trainable variables" in str(e)
+               for e in errors)
+
+
+def test_the_mean_of_non_finite_values(thread_cluster):
+    cluster = thread_cluster(1, 2)
+    sent = np.array([[1.0, np.nan, np.inf, np.inf, 1e300, 2.0],
+                     [3.0, 1.0, 5.0, -np.inf, 1e300, 4.0]])
+
+    def barriers(client, w):
+        mean = WorkerMean(client, "means", 6)
+        return [mean.mean(sent[w], key=5.0, mismatch="no"),
+                mean.mean(sent[1 - w][::-1], key=5.0, mismatch="no")]
+
+    results = run_clients(cluster, barriers, timeout=20)
+    first = [2.0, np.nan, np.inf, np.nan, 1e300, 3.0]
+    for w in range(2):
+        np.testing.assert_array_equal(results[w][0], first)
+        # NaN and inf did not stay behind for the next barrier.
+        np.testing.assert_array_equal(results[w][1], first[::-1])
+
+
+def test_a_wrong_number_of_values_is_refused(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=5) as client:
+        with pytest.raises(GeePSError, match="3 values, not 2"):
+            WorkerMean(client, "means", 2).mean([1, 2, 3], 1.0, "no")
