@@ -280,7 +280,9 @@ def install_fit_hooks():
     - `on_epoch_end` first averages the logs through the trained model's
       strategy (`strategy.epoch_logs`, when it has one), so every
       epoch-end callback sees the workers' mean, and then the model's
-      non-trainable statistics (`strategy.non_trainable`);
+      non-trainable statistics (`strategy.non_trainable`), unless `fit`'s
+      validation (`on_test_begin` of fit's own list, marked at
+      `on_train_begin`) averaged them first;
     - `on_train_end` first has each `ParameterServerCallback` in the list
       bring the weights to the shards' latest, so a callback that then sets
       weights (`EarlyStopping(restore_best_weights=True)`) keeps them
@@ -299,28 +301,56 @@ def install_fit_hooks():
     if callback_list.__dict__.get("_geeps_fit_hooks_installed"):
         return
     _install_catch_ups()
+    on_train_begin = callback_list.on_train_begin
+    on_test_begin = callback_list.on_test_begin
     on_epoch_end = callback_list.on_epoch_end
     on_train_end = callback_list.on_train_end
 
-    @functools.wraps(on_epoch_end)
-    def averaged(self, epoch, logs=None):
-        model = getattr(self, "_model", None)
-        strategy = getattr(model, "distribute_strategy", None)
-        averager = getattr(strategy, "epoch_logs", None)
-        if averager is not None and logs is not None:
-            averager.average(logs)  # before any callback sees them
+    def strategy_of(callbacks):
+        model = getattr(callbacks, "_model", None)
+        return model, getattr(model, "distribute_strategy", None)
+
+    def average_statistics(callbacks):
+        model, strategy = strategy_of(callbacks)
         statistics = getattr(strategy, "non_trainable", None)
         if statistics is not None:  # (BatchNorm's: the workers' mean)
             statistics.average(model)
+
+    @functools.wraps(on_train_begin)
+    def fitting(self, *args, **kwargs):
+        self._geeps_fitting = True  # (this list: fit's own)
+        self._geeps_statistics_averaged = False
+        return on_train_begin(self, *args, **kwargs)
+
+    @functools.wraps(on_test_begin)
+    def validated_averaged(self, *args, **kwargs):
+        # fit's validation (the same list): measure the averaged model
+        if getattr(self, "_geeps_fitting", False):
+            average_statistics(self)
+            self._geeps_statistics_averaged = True
+        return on_test_begin(self, *args, **kwargs)
+
+    @functools.wraps(on_epoch_end)
+    def averaged(self, epoch, logs=None):
+        _, strategy = strategy_of(self)
+        averager = getattr(strategy, "epoch_logs", None)
+        if averager is not None and logs is not None:
+            averager.average(logs)  # before any callback sees them
+        if not getattr(self, "_geeps_statistics_averaged", False):
+            average_statistics(self)
+        self._geeps_statistics_averaged = False
         return on_epoch_end(self, epoch, logs)
 
     @functools.wraps(on_train_end)
     def synced_first(self, *args, **kwargs):
+        self._geeps_fitting = False
         for callback in self.callbacks:
             if isinstance(callback, ParameterServerCallback):
                 callback.sync_before_train_end()
         return on_train_end(self, *args, **kwargs)
 
+    callback_list.on_train_begin = fitting
+    callback_list.on_test_begin = validated_averaged
     callback_list.on_epoch_end = averaged
     callback_list.on_train_end = synced_first
     _install_reraise()

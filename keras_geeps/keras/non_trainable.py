@@ -11,16 +11,24 @@ worker's statistics are replaced by their mean over the live workers
 (`keras/worker_mean.py`), so every worker, the models they save and the
 next epoch start from the same ones.
 
+When `fit` validates, the statistics are averaged before the validation
+instead (`on_test_begin` within `fit`), so that the `val_*` figures, and
+the callbacks that choose a model by them, measure the model the workers
+then hold and save.
+
 Averaged: the model's non-trainable floating-point variables that no
-frozen layer (`trainable=False`) holds, so a frozen BatchNorm's statistics
-(and a frozen backbone's weights, which never change) cost nothing.
-Random seed states and other integer variables are left alone. The
-variables' paths, shapes and dtypes make the barrier's key: workers whose
-models differ get a clear error. One table per layout, named
+frozen layer (`trainable=False`) holds and no parameter table holds (a
+frozen LoRA kernel is the shards', alike everywhere), so a frozen
+BatchNorm's statistics (and a frozen backbone's weights, which never
+change) cost nothing. Random seed states and other integer variables are
+left alone. The variables' paths, shapes and dtypes make the barrier's
+key: workers whose models differ get a clear error. One table per layout
+and client (strategies sharing a client share them), named
 `keras_geeps.non_trainable.<n>` in the order the layouts first come; like
 the epoch logs, it needs epoch ends that line up across workers.
 """
 
+import weakref
 import zlib
 
 import keras
@@ -30,14 +38,18 @@ from keras_geeps.errors import GeePSTimeoutError
 from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE_PREFIX = "keras_geeps.non_trainable"
+# client -> {layout key: WorkerMean}: one table per layout and client
+_MEANS = weakref.WeakKeyDictionary()
 
 
-def averaged_variables(model):
+def averaged_variables(model, sync=None):
     """The variables of `model` whose workers' values are averaged: its
-    non-trainable floating-point variables held by no frozen layer.
+    non-trainable floating-point variables held by no frozen layer and
+    by no parameter table of `sync`.
 
     Args:
         model: a Keras model (or layer).
+        sync: the strategy's `ParameterSync`, or None.
 
     Returns:
         A list of `keras.Variable`s, in the model's order.
@@ -46,8 +58,13 @@ def averaged_variables(model):
     for layer in model._flatten_layers(include_self=True, recursive=True):
         if not layer.trainable:
             frozen.update(id(v) for v in layer.weights)
-    return [v for v in model.non_trainable_variables
-            if id(v) not in frozen and keras.backend.is_float_dtype(v.dtype)]
+    candidates = [v for v in model.non_trainable_variables
+                  if id(v) not in frozen and
+                  keras.backend.is_float_dtype(v.dtype)]
+    if sync is not None:
+        held = {id(v) for v in sync.holding(candidates)}
+        candidates = [v for v in candidates if id(v) not in held]
+    return candidates
 
 
 class NonTrainableAverager:
@@ -59,6 +76,8 @@ class NonTrainableAverager:
 
     Args:
         client: the worker's `GeePSClient`.
+        sync: the strategy's `ParameterSync`, whose tables' variables are
+            left out; None (the default) for none.
 
     Example:
 
@@ -70,9 +89,9 @@ class NonTrainableAverager:
     ```
     """
 
-    def __init__(self, client):
+    def __init__(self, client, sync=None):
         self.client = client
-        self._means = {}  # layout key -> WorkerMean
+        self.sync = sync
 
     def average(self, model):
         """Sets each of `averaged_variables(model)` to its mean over the
@@ -89,7 +108,7 @@ class NonTrainableAverager:
         """
         if self.client.num_workers == 1:
             return 0
-        variables = averaged_variables(model)
+        variables = averaged_variables(model, self.sync)
         if not variables:
             return 0
         layout = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
@@ -97,10 +116,11 @@ class NonTrainableAverager:
         values = [np.asarray(v.numpy(), np.float64).reshape(-1)
                   for v in variables]
         sizes = [a.size for a in values]
-        mean = self._means.get(key)
+        means_of = _MEANS.setdefault(self.client, {})
+        mean = means_of.get(key)
         if mean is None:
-            mean = self._means[key] = WorkerMean(
-                self.client, f"{TABLE_PREFIX}.{len(self._means)}", sum(sizes))
+            mean = means_of[key] = WorkerMean(
+                self.client, f"{TABLE_PREFIX}.{len(means_of)}", sum(sizes))
         try:
             means = mean.mean(
                 np.concatenate(values), key,

@@ -96,7 +96,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             and needs epoch ends that line up across workers
             (`keras/epoch_logs.py`). Defaults to True.
         average_non_trainable: at every epoch end of `fit` (before the
-            callbacks), replace the model's non-trainable statistics
+            callbacks, or before the validation when it validates),
+            replace the model's non-trainable statistics
             (BatchNorm's moving mean and variance: the non-trainable
             floating-point variables no frozen layer holds) by their mean
             over the live workers, so that every worker, and the model it
@@ -123,8 +124,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                        capture_updates)
             self.epoch_logs = EpochLogAverager(client) \
                 if average_epoch_logs else None
-            self.non_trainable = NonTrainableAverager(client) \
-                if average_non_trainable else None
+            self.non_trainable = NonTrainableAverager(
+                client, self.parameter_sync) if average_non_trainable else None
             _tf_hooks.install_fit_hooks()
         except BaseException:
             if own_client:  # its I/O thread would keep heartbeating

@@ -64,10 +64,15 @@ class WorkerMean:
 
     def _table(self):
         try:
-            return self.client.table(self.name)
+            table = self.client.table(self.name)
         except KeyError:
             return self.client.create_table(self.name, 2, self.width,
                                             dtype="float64")
+        if (table.rows, table.width) != (2, self.width):
+            raise GeePSError(
+                f"table {self.name!r} is {table.rows} x {table.width}, not "
+                f"the 2 x {self.width} of a mean of {self.size} values")
+        return table
 
     def mean(self, values, key, mismatch):
         """The mean over the live workers of each value, at a barrier.

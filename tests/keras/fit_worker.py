@@ -190,6 +190,10 @@ def main():
     if args.validate:
         result["evaluate"] = model.evaluate(x, y, verbose=0,
                                             return_dict=True)
+        # the validation data again, as fit validated it
+        result["evaluate_validation"] = model.evaluate(
+            x[:200], y[:200], batch_size=args.batch, verbose=0,
+            return_dict=True)
         predictions = model.predict(x[:50], verbose=0)
         result["predict_accuracy"] = float(
             (predictions.argmax(1) == y[:50]).mean())

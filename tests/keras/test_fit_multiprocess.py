@@ -228,3 +228,15 @@ def test_batchnorm_statistics_end_as_the_workers_mean(tmp_path):
     for i, (ours, theirs) in enumerate(zip(mean[0], own[0])):
         if i not in statistics:  # the training itself: the same
             np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_validation_measures_the_model_with_the_averaged_statistics(
+        tmp_path):
+    """fit averages the BatchNorm statistics before it validates, so the
+    last epoch's val_loss is the loss of the model every worker ends
+    with (not the mean of each worker's loss with its own statistics)."""
+    results = _run(tmp_path, "--batchnorm", "--validate", "--batch", "16",
+                   "--max-steps", "12")
+    for _, result in results:
+        assert result["history"]["val_loss"][-1] == pytest.approx(
+            result["evaluate_validation"]["loss"], rel=1e-6)

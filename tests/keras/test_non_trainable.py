@@ -16,11 +16,11 @@ from tests.worker_threads import run_clients, run_worker_threads
 _BUILD = threading.Lock()  # (Keras' name scopes are global: build in turn)
 
 
-def _model(bn_name="bn"):
+def _model(bn_name="bn", units=4):
     with _BUILD:
         model = keras.Sequential([
             keras.Input((3,)),
-            keras.layers.Dense(4, name="dense"),
+            keras.layers.Dense(units, name="dense"),
             keras.layers.BatchNormalization(name=bn_name),
             keras.layers.BatchNormalization(name="frozen"),
             keras.layers.Dropout(0.5, seed=1, name="dropout"),  # int state
@@ -32,11 +32,13 @@ def _model(bn_name="bn"):
 
 def _set_statistics(model, w):
     rng = np.random.default_rng(w)
-    for name in ("bn", "frozen"):
-        layer = model.get_layer(name)
-        layer.moving_mean.assign(rng.normal(size=4).astype(np.float32))
-        layer.moving_variance.assign(
-            rng.uniform(0.5, 2.0, size=4).astype(np.float32))
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            size = layer.moving_mean.shape
+            layer.moving_mean.assign(rng.normal(size=size).astype(
+                np.float32))
+            layer.moving_variance.assign(
+                rng.uniform(0.5, 2.0, size=size).astype(np.float32))
 
 
 def _statistics(model, name):
@@ -51,6 +53,34 @@ def test_only_trainable_layers_float_statistics_are_averaged():
     assert names == ["model/bn/moving_mean", "model/bn/moving_variance"]
     model.trainable = False  # a frozen model: nothing to average
     assert non_trainable.averaged_variables(model) == []
+
+
+def test_variables_of_parameter_tables_are_left_out(thread_cluster):
+    """LoRA freezes a Dense kernel in a trainable layer: created
+    trainable, it is in a parameter table, the shards' (alike on every
+    worker), not a statistic."""
+    from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=10) as client:
+        strategy = GeePSStrategy(client=client)
+        try:
+            with strategy.scope(), _BUILD:
+                model = keras.Sequential([
+                    keras.Input((3,)),
+                    keras.layers.Dense(4, name="dense"),
+                    keras.layers.BatchNormalization(name="bn"),
+                ], name="lora")
+                model.get_layer("dense").enable_lora(2)
+            assert "lora/dense/kernel" in [  # frozen by LoRA
+                v.path for v in model.non_trainable_variables]
+            names = [v.path for v in non_trainable.averaged_variables(
+                model, strategy.parameter_sync)]
+            assert names == ["lora/bn/moving_mean",
+                             "lora/bn/moving_variance"]
+            assert "lora/dense/kernel" in [  # (without the sync's tables)
+                v.path for v in non_trainable.averaged_variables(model)]
+        finally:
+            strategy.close()
 
 
 def test_every_worker_gets_the_mean_statistics(thread_cluster):
@@ -135,3 +165,38 @@ def test_a_wrong_number_of_values_is_refused(thread_cluster):
     with cluster.client(0, timeout=5) as client:
         with pytest.raises(GeePSError, match="3 values, not 2"):
             WorkerMean(client, "means", 2).mean([1, 2, 3], 1.0, "no")
+        # Another mean of that name but of other values (the table a
+        # strategy sharing the client made) is refused, naming both.
+        WorkerMean(client, "means", 2).mean([1, 2], 1.0, "no")
+        with pytest.raises(GeePSError, match="2 x 10, not the 2 x 14"):
+            WorkerMean(client, "means", 3).mean([1, 2, 3], 1.0, "no")
+
+
+def test_strategies_sharing_a_client_keep_a_table_per_layout(
+        thread_cluster):
+    cluster = thread_cluster(1, 2)
+
+    def epochs(client, w):
+        first, second = _model(), _model("norm", units=5)
+        _set_statistics(first, w)
+        _set_statistics(second, w + 2)
+        # two averagers (two strategies' own) on one client
+        for averager, model in ((NonTrainableAverager(client), first),
+                                (NonTrainableAverager(client), second),
+                                (NonTrainableAverager(client), first)):
+            averager.average(model)
+        tables = []
+        for n in range(3):
+            try:
+                tables.append(client.table(
+                    f"{non_trainable.TABLE_PREFIX}.{n}").width)
+            except KeyError:
+                pass
+        return tables, _statistics(first, "bn"), _statistics(second, "norm")
+
+    results = run_clients(cluster, epochs, timeout=30)
+    # one table per layout: 2 x 4 and 2 x 5 values
+    assert results[0][0] == results[1][0] == [2 + 4 * 8, 2 + 4 * 10]
+    for i in range(2):
+        np.testing.assert_array_equal(results[0][1][i], results[1][1][i])
+        np.testing.assert_array_equal(results[0][2][i], results[1][2][i])

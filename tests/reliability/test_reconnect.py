@@ -179,9 +179,10 @@ def test_a_half_open_connection_is_given_up_and_resumed(monkeypatch, keys,
     but carries nothing, either way. ZeroMQ's heartbeats (shortened here
     for the in-process worker, and on although the link is on loopback)
     close it and the socket connects again through the link; a sealed
-    link, whose new connection the shard refuses while it still holds
-    the silent one under the same routing id, is ended when it heard
-    nothing for LINK_TIMEOUT_MS. The worker resumes with nothing lost."""
+    link, whose new connection the shard refuses (the session's token
+    admits one connection), is ended at its next send that finds no
+    connection or when it heard nothing for LINK_TIMEOUT_MS, whichever
+    comes first. The worker resumes with nothing lost."""
     monkeypatch.setattr(protocol, "LINK_PING_MS", 100)
     monkeypatch.setattr(protocol, "LINK_TIMEOUT_MS", 1000)
     monkeypatch.setattr(protocol, "LINK_HEARTBEATS_ON_LOOPBACK", True)
