@@ -2,12 +2,13 @@
 (real shards; each worker thread builds its own Keras model)."""
 
 import threading
+import time
 
 import keras
 import numpy as np
 import pytest
 
-from keras_geeps.errors import GeePSError
+from keras_geeps.errors import GeePSError, GeePSTimeoutError
 from keras_geeps.keras import non_trainable
 from keras_geeps.keras.non_trainable import NonTrainableAverager
 from keras_geeps.keras.worker_mean import WorkerMean
@@ -200,3 +201,24 @@ def test_strategies_sharing_a_client_keep_a_table_per_layout(
     for i in range(2):
         np.testing.assert_array_equal(results[0][1][i], results[1][1][i])
         np.testing.assert_array_equal(results[0][2][i], results[1][2][i])
+
+
+def test_a_worker_that_never_comes_is_named_within_the_timeout(
+        thread_cluster):
+    cluster = thread_cluster(1, 2)
+
+    def epoch(w):
+        with cluster.client(w, timeout=2) as client:
+            if w == 1:  # connected, but never reaches the barrier
+                time.sleep(4)
+                return None
+            model = _model()
+            started = time.monotonic()
+            with pytest.raises(GeePSTimeoutError,
+                               match="non-trainable variables"):
+                NonTrainableAverager(client).average(model)
+            return time.monotonic() - started
+
+    results, errors = run_worker_threads(2, epoch, timeout=30)
+    assert not errors
+    assert results[0] < 10  # the client's timeout, not forever
