@@ -28,7 +28,10 @@ each `train_on_batch`, has the first step take the shards' rows, whatever
 weights were set since.
 `install_fit_hooks` has the
 strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an epoch's logs
-by their mean over the workers before epoch-end callbacks, the final sync
+by their mean over the workers before epoch-end callbacks, its
+`NonTrainableAverager` (keras/non_trainable.py) do the same for the
+model's BatchNorm statistics (before `fit`'s validation when it validates),
+the final sync
 run before train-end callbacks, and an exception raised in a step's pull or
 push come out of `fit`, `evaluate`, `predict` and `*_on_batch` as itself
 rather than as the `tf.errors.UnknownError` `tf.py_function` makes of it.

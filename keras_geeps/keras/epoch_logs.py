@@ -19,8 +19,9 @@ does not poison the later ones.
 
 Epoch ends must line up across workers, as BSP `fit` needs anyway: a
 worker that restarts mid-job (`on_worker_failure="continue"`) would leave
-the others at the barrier; pass `GeePSStrategy(average_epoch_logs=False)`
-for such jobs.
+the others at the barrier; pass `GeePSStrategy(average_epoch_logs=False,
+average_non_trainable=False)` for such jobs (the statistics' barrier,
+keras/non_trainable.py, needs the same).
 """
 
 import zlib

@@ -71,7 +71,8 @@ class NonTrainableAverager:
     """Replaces a model's non-trainable statistics by the workers' mean.
 
     `GeePSStrategy(average_non_trainable=True)` has one, which `fit` calls
-    at every epoch end (keras/_tf_hooks); a custom loop can call it at
+    at every epoch end, or before the validation when `fit` validates
+    (keras/_tf_hooks); a custom loop can call it at
     points every worker reaches alike.
 
     Args:

@@ -99,10 +99,11 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             callbacks, or before the validation when it validates),
             replace the model's non-trainable statistics
             (BatchNorm's moving mean and variance: the non-trainable
-            floating-point variables no frozen layer holds) by their mean
-            over the live workers, so that every worker, and the model it
-            saves, normalises by the statistics of all the data, as TF's
-            MirroredStrategy reads them. Costs a barrier at every epoch
+            floating-point variables no frozen layer and no parameter
+            table holds) by their mean over the live workers, so that
+            every worker, and the model it saves, normalises by the
+            statistics of all the data, as TF's MirroredStrategy reads
+            them. Costs a barrier at every epoch
             end when the model has such variables (none otherwise) and,
             like `average_epoch_logs`, needs epoch ends that line up
             across workers (`keras/non_trainable.py`). Defaults to True.

@@ -18,8 +18,8 @@ later barriers, and while row c % 2 takes the numbers of barrier c, worker
 barrier starts from a zero row, so a huge value at one costs the next ones
 no precision. (Without a live worker 0 the change is still exact in its
 counts, and its values lose only what float64 loses next to the
-leftovers.) A mean of equal values is that value exactly (float64 sums of
-up to 2**29 float32 values are exact).
+leftovers.) A mean of equal values is that value exactly (the float64 sum
+of up to 2**29 equal float32 values is exact).
 """
 
 import numpy as np
