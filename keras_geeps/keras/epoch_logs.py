@@ -28,7 +28,7 @@ import zlib
 
 import numpy as np
 
-from keras_geeps.errors import GeePSError, GeePSTimeoutError
+from keras_geeps.errors import GeePSError
 from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE = "keras_geeps.epoch_logs"
@@ -100,17 +100,12 @@ class EpochLogAverager:
                 f"average_epoch_logs=False))")
         row = np.zeros(MAX_KEYS)
         row[:len(keys)] = [values[k] for k in keys]
-        try:
-            means = self._mean.mean(
-                row, key=float(zlib.crc32("\0".join(keys).encode())),
-                mismatch=f"the workers' epoch logs have different keys (this "
-                         f"worker: {keys}): give every worker the same "
-                         f"metrics and validation settings")
-        except GeePSTimeoutError as exc:
-            raise GeePSTimeoutError(
-                f"averaging the epoch logs: a worker did not reach this "
-                f"epoch's end (epoch ends must line up across workers): "
-                f"{exc}") from exc
+        means = self._mean.mean(
+            row, key=float(zlib.crc32("\0".join(keys).encode())),
+            mismatch=f"the workers' epoch logs have different keys (this "
+                     f"worker: {keys}): give every worker the same metrics "
+                     f"and validation settings",
+            what="averaging the epoch logs")
         for i, key in enumerate(keys):
             flat[key] = float(means[i])
         logs.clear()

@@ -34,7 +34,6 @@ import zlib
 import keras
 import numpy as np
 
-from keras_geeps.errors import GeePSTimeoutError
 from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE_PREFIX = "keras_geeps.non_trainable"
@@ -61,10 +60,7 @@ def averaged_variables(model, sync=None):
     candidates = [v for v in model.non_trainable_variables
                   if id(v) not in frozen and
                   keras.backend.is_float_dtype(v.dtype)]
-    if sync is not None:
-        held = {id(v) for v in sync.holding(candidates)}
-        candidates = [v for v in candidates if id(v) not in held]
-    return candidates
+    return candidates if sync is None else sync.not_held(candidates)
 
 
 class NonTrainableAverager:
@@ -122,19 +118,14 @@ class NonTrainableAverager:
         if mean is None:
             mean = means_of[key] = WorkerMean(
                 self.client, f"{TABLE_PREFIX}.{len(means_of)}", sum(sizes))
-        try:
-            means = mean.mean(
-                np.concatenate(values), key,
-                mismatch=f"the workers' models have different non-trainable "
-                         f"variables (this worker: {len(layout)}, "
-                         f"{layout[:3]}...): give every worker the same "
-                         f"model, or pass GeePSStrategy("
-                         f"average_non_trainable=False)")
-        except GeePSTimeoutError as exc:
-            raise GeePSTimeoutError(
-                f"averaging the non-trainable variables (BatchNorm "
-                f"statistics): a worker did not reach this epoch's end "
-                f"(epoch ends must line up across workers): {exc}") from exc
+        means = mean.mean(
+            np.concatenate(values), key,
+            mismatch=f"the workers' models have different non-trainable "
+                     f"variables (this worker: {len(layout)}, "
+                     f"{layout[:3]}...): give every worker the same model, "
+                     f"or pass GeePSStrategy(average_non_trainable=False)",
+            what="averaging the non-trainable variables (BatchNorm "
+                 "statistics)")
         offset = 0
         for variable, size in zip(variables, sizes):  # (cast by assign)
             variable.assign(means[offset:offset + size].reshape(

@@ -232,14 +232,14 @@ class ParameterSync:
         if trainable:
             self._candidates.append((variable, keras_path))
 
-    def holding(self, variables):
-        """The ones of `variables` (tf or keras.Variables) that a parameter
-        table holds, or will at the next build: those created trainable
-        in the scope, whatever their `trainable` says now (LoRA's frozen
-        kernel)."""
+    def not_held(self, variables):
+        """The ones of `variables` (tf or keras.Variables) that no
+        parameter table holds, nor will at the next build: a table holds
+        those created trainable in the scope, whatever their `trainable`
+        says now (LoRA's frozen kernel)."""
         held = _ids(v for layer in self.tables for v in layer.variables) | \
             _ids(v for v, _ in self._candidates)
-        return [v for v in variables if _ids([v]) <= held]
+        return [v for v in variables if not _ids([v]) <= held]
 
     def note_update(self, variable):
         """Called for every variable the optimizer updates (at trace time)."""

@@ -24,7 +24,7 @@ of up to 2**29 equal float32 values is exact).
 
 import numpy as np
 
-from keras_geeps.errors import GeePSError
+from keras_geeps.errors import GeePSError, GeePSTimeoutError
 
 _HEAD = 2       # count, key
 _PER_VALUE = 4  # finite part, #NaN, #+inf, #-inf
@@ -48,7 +48,8 @@ class WorkerMean:
 
     ```python
     mean = WorkerMean(client, "my.means", 3)
-    mean.mean(np.array([1.0, 2.0, np.nan]), key=7.0)  # on every worker
+    mean.mean(np.array([1.0, 2.0, np.nan]), key=7.0,  # on every worker
+              mismatch="the workers mean different things")
     ```
     """
 
@@ -74,7 +75,7 @@ class WorkerMean:
                 f"the 2 x {self.width} of a mean of {self.size} values")
         return table
 
-    def mean(self, values, key, mismatch):
+    def mean(self, values, key, mismatch, what="averaging"):
         """The mean over the live workers of each value, at a barrier.
 
         Args:
@@ -83,6 +84,8 @@ class WorkerMean:
                 are: a hash of their names and shapes).
             mismatch: the message of the `GeePSError` raised when the
                 workers' keys differ.
+            what: what is averaged, the start of a timeout's message
+                (e.g. "averaging the epoch logs").
 
         Returns:
             A float64 array of `size`: NaN where a worker sent NaN or
@@ -90,13 +93,22 @@ class WorkerMean:
 
         Raises:
             GeePSError: `mismatch`, or a wrong number of values.
-            GeePSTimeoutError: a worker did not reach the barrier in the
-                client's timeout.
+            GeePSTimeoutError: a worker did not reach the barrier (this
+                epoch's end) in the client's timeout: `what`, then the
+                client's error.
         """
         values = np.asarray(values, np.float64).reshape(-1)
         if values.size != self.size:
             raise GeePSError(f"{self.name}: {values.size} values, not "
                              f"{self.size}")
+        try:
+            return self._mean(values, key, mismatch)
+        except GeePSTimeoutError as exc:
+            raise GeePSTimeoutError(
+                f"{what}: a worker did not reach this epoch's end (epoch "
+                f"ends must line up across workers): {exc}") from exc
+
+    def _mean(self, values, key, mismatch):
         table = self._table()
         client = self.client
         clock, slack = table.clock, client.slack
