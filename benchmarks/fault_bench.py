@@ -98,8 +98,20 @@ def kill_restart_cycles(cycles, clocks_per_cycle, workers=4):
     return len(recoveries), int(lost), int(duplicated), recoveries
 
 
-def _curve_shard_args(curve_dir):
-    """A keyed shard's flags, with the keys `main` writes to `curve_dir`."""
+def write_curve_keys(curve_dir, clients=("worker",)):
+    """Writes a shard key pair and one per name of `clients` into
+    `curve_dir`, the clients' public keys also into `curve_dir/allowed`."""
+    os.makedirs(f"{curve_dir}/allowed", exist_ok=True)
+    keygen(curve_dir, "shard")
+    for name in clients:
+        keygen(curve_dir, name)
+        shutil.copy(f"{curve_dir}/{name}.key",
+                    f"{curve_dir}/allowed/{name}.key")
+
+
+def curve_shard_args(curve_dir):
+    """A keyed shard's flags, with the keys `write_curve_keys` wrote to
+    `curve_dir`."""
     return ["--curve-secret-key", f"{curve_dir}/shard.key_secret",
             "--curve-allowed-clients", f"{curve_dir}/allowed"]
 
@@ -114,7 +126,7 @@ def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=40):
     rows = nbytes // 4096
     keys = ClientKeys(f"{curve_dir}/worker.key_secret",
                       f"{curve_dir}/shard.key")
-    curve_args = _curve_shard_args(curve_dir)
+    curve_args = curve_shard_args(curve_dir)
     with contextlib.ExitStack() as stack:
         runs = []
         for shard_args, curve in (([], None), (curve_args, keys)):
@@ -142,7 +154,7 @@ def fit_images_per_s(curve_dir, rounds=2):
     `rounds` runs taken in turn (plain, CURVE, plain, ...)."""
     import fit_bench  # noqa: PLC0415 (benchmarks/ is on sys.path)
     args = argparse.Namespace(steps=40, batch=128, steps_per_execution=1)
-    curve_args = _curve_shard_args(curve_dir)
+    curve_args = curve_shard_args(curve_dir)
     figures = ([], [])
     saved = os.environ.get(shm.ENV_SWITCH)
     os.environ[shm.ENV_SWITCH] = "0"  # workers inherit it
@@ -175,11 +187,7 @@ def main():
           f"{duplicated}, recovery median {statistics.median(recoveries):.2f}"
           f" s (max {max(recoveries):.2f} s)", flush=True)
     with tempfile.TemporaryDirectory() as keys:
-        os.makedirs(f"{keys}/allowed")
-        keygen(keys, "shard")
-        for name in ("worker", "worker0", "worker1"):
-            keygen(keys, name)
-            shutil.copy(f"{keys}/{name}.key", f"{keys}/allowed/{name}.key")
+        write_curve_keys(keys, ("worker", "worker0", "worker1"))
         plain, curve = round_trip_seconds(keys)
         print(f"16 MB round trip: plain {plain * 1e3:.1f} ms, CURVE "
               f"{curve * 1e3:.1f} ms", flush=True)

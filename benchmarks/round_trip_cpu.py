@@ -22,14 +22,14 @@ import argparse
 import collections
 import json
 import os
-import shutil
 import tempfile
 import threading
 import time
 
 import numpy as np
 
-from keras_geeps.auth import ClientKeys, keygen
+import fault_bench  # (benchmarks/ is on sys.path)
+from keras_geeps.auth import ClientKeys
 from keras_geeps.launch import LocalCluster
 
 TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
@@ -78,8 +78,7 @@ def measure(keys_dir, sealed, trips, rows=4096, width=1024):
     by thread over the loop)."""
     shard_args, curve = [], None
     if sealed:
-        shard_args = ["--curve-secret-key", f"{keys_dir}/shard.key_secret",
-                      "--curve-allowed-clients", f"{keys_dir}/allowed"]
+        shard_args = fault_bench.curve_shard_args(keys_dir)
         curve = ClientKeys(f"{keys_dir}/worker.key_secret",
                            f"{keys_dir}/shard.key")
     with LocalCluster(1, 1, processes=True, output=None,
@@ -120,10 +119,7 @@ def main():
     args = parser.parse_args()
     sides = {"plain": [], "sealed": []}
     with tempfile.TemporaryDirectory() as keys:
-        os.makedirs(f"{keys}/allowed")
-        keygen(keys, "shard")
-        keygen(keys, "worker")
-        shutil.copy(f"{keys}/worker.key", f"{keys}/allowed/worker.key")
+        fault_bench.write_curve_keys(keys)
         for name in ("plain", "sealed") * 2:
             seconds, busy, cpu = measure(keys, name == "sealed", args.trips)
             sides[name].append((seconds, busy, cpu))
