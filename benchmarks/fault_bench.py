@@ -116,6 +116,13 @@ def curve_shard_args(curve_dir):
             "--curve-allowed-clients", f"{curve_dir}/allowed"]
 
 
+def curve_client_keys(curve_dir):
+    """The "worker" client's `ClientKeys`, with the keys `write_curve_keys`
+    wrote to `curve_dir`."""
+    return ClientKeys(f"{curve_dir}/worker.key_secret",
+                      f"{curve_dir}/shard.key")
+
+
 def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=40):
     """Median push+pull round trip of a `nbytes` table, plain and sealed.
 
@@ -124,8 +131,7 @@ def round_trip_seconds(curve_dir, nbytes=16 << 20, repeats=40):
     falls on both alike. Returns (plain seconds, sealed seconds).
     """
     rows = nbytes // 4096
-    keys = ClientKeys(f"{curve_dir}/worker.key_secret",
-                      f"{curve_dir}/shard.key")
+    keys = curve_client_keys(curve_dir)
     curve_args = curve_shard_args(curve_dir)
     with contextlib.ExitStack() as stack:
         runs = []

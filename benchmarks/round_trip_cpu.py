@@ -29,7 +29,6 @@ import time
 import numpy as np
 
 import fault_bench  # (benchmarks/ is on sys.path)
-from keras_geeps.auth import ClientKeys
 from keras_geeps.launch import LocalCluster
 
 TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
@@ -79,8 +78,7 @@ def measure(keys_dir, sealed, trips, rows=4096, width=1024):
     shard_args, curve = [], None
     if sealed:
         shard_args = fault_bench.curve_shard_args(keys_dir)
-        curve = ClientKeys(f"{keys_dir}/worker.key_secret",
-                           f"{keys_dir}/shard.key")
+        curve = fault_bench.curve_client_keys(keys_dir)
     with LocalCluster(1, 1, processes=True, output=None,
                       shard_args=shard_args) as cluster, \
             cluster.client(0, timeout=60, curve=curve,
