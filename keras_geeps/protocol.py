@@ -133,12 +133,15 @@ _META_SCHEMA = {
                       "max_message_bytes": int, "max_pending_clocks": int,
                       "checkpoint_every": int, "shm": list, "shm_ok": bool,
                       "sealed": list, "incarnation": int,
-                      "worker_timeout": float},
+                      "worker_timeout": float, "rejoined_at": int},
     # sealed: [data port, session, c2s key, s2c key, connect token] (hex;
     # keras_geeps.seal). incarnation: the shard process's random number (a
     # worker that says HELLO again tells a reconnect from a restart by it).
     # worker_timeout: > 0 when the shard declares workers silent that long
     # dead: a worker heartbeats well within it, and says LEAVE on close.
+    # rejoined_at: present when this HELLO made a worker the others went on
+    # without (declared dead, or restarted mid-clock under "continue") join
+    # again: the highest clock of the shard's tables it joined at.
     # shm: the worker maps this shard's buffers (rows may come as refs).
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
                      "row_start": int, "row_end": int, "chunk_row": int,

@@ -1026,6 +1026,7 @@ class ShardServer:
         previous = self._incarnations.get(worker)
         if previous == incarnation and self._seqs[worker].beyond(message.seq):
             raise self._seq_jump(worker, message.seq)
+        rejoined_at = None
         if previous != incarnation:
             # A new worker process (or this shard is new): its requests are
             # numbered from its HELLO on.
@@ -1034,9 +1035,9 @@ class ShardServer:
             self._existing.pop(worker, None)
             self._forget_shm(worker)
             if worker in self._dead:
-                self._rejoin(worker)
+                rejoined_at = self._rejoin(worker)
             elif previous is not None:
-                self._restarted(worker)
+                rejoined_at = self._restarted(worker)
                 # The old process never takes its place back (it may only
                 # have been cut off): one a death buried, or this one.
                 self._bury(worker, previous)
@@ -1054,6 +1055,8 @@ class ShardServer:
             "max_pending_clocks": self.settings.max_pending_clocks,
             "checkpoint_every": self.settings.checkpoint_every,
             "worker_timeout": float(self.settings.worker_timeout)}
+        if rejoined_at is not None:
+            welcome["rejoined_at"] = rejoined_at
         # Its own number, whatever route the worker's later requests take
         # (with a sealed session: the data socket's, not this one).
         self._seqs[worker].mark(message.seq)
@@ -1975,12 +1978,16 @@ class ShardServer:
         others' is not) and no update of it can be taken back: under
         on_worker_failure="stop" the job stops with that error; under
         "continue" the worker counts as dead and rejoins at once.
+
+        Returns:
+            The clock it rejoined at (`_rejoin`), or None when it carries
+            on in its old process's place.
         """
         midway = [t for t in self._tables.values()
                   if t.vclock[worker] != t.global_clock
                   or t.updated[worker] >= t.vclock[worker]]
         if not midway:
-            return
+            return None
         table = midway[0]
         self._worker_died(worker, (
             f"worker {worker} restarted (a new process) while clock "
@@ -1989,14 +1996,22 @@ class ShardServer:
             f"back"))
         if self._failed is not None:
             raise RequestError(self._failed, protocol.ERROR_WORKER_DEAD)
-        self._rejoin(worker)
+        return self._rejoin(worker)
 
     def _rejoin(self, worker):
-        """A restarted worker joins at each table's current clock."""
+        """A restarted worker joins at each table's current clock.
+
+        Returns:
+            The highest of those clocks (0 without tables).
+        """
         self._dead.discard(worker)
         for table in self._tables.values():
             table.vclock[worker] = table.global_clock
-        log.warning("shard %d: worker %d rejoined", self.shard_id, worker)
+        clock = max((int(t.global_clock) for t in self._tables.values()),
+                    default=0)
+        log.warning("shard %d: worker %d rejoined at clock %d",
+                    self.shard_id, worker, clock)
+        return clock
 
     # ------------------------------------------------------------ stats
     def snapshot_stats(self):

@@ -38,6 +38,7 @@ def servers():
         peers.append(p)
         reply = p.ask(MsgType.HELLO, meta={"incarnation": incarnation})
         assert reply.type == MsgType.WELCOME, reply
+        p.welcome = reply
         return p
 
     make.peer = peer
@@ -67,8 +68,8 @@ def _two_workers_one_table(servers, server):
 def _restarted_worker0(server):
     """A new process of worker 0 that said HELLO and was welcomed."""
     again = RawPeer(server.address, 0)
-    assert again.ask(MsgType.HELLO, meta={"incarnation": 2}).type == \
-        MsgType.WELCOME
+    again.welcome = again.ask(MsgType.HELLO, meta={"incarnation": 2})
+    assert again.welcome.type == MsgType.WELCOME
     return again
 
 
@@ -295,6 +296,7 @@ def test_continue_mode_restart_mid_clock_rejoins(servers):
                                  clk=0).type == MsgType.ACK
     again = _restarted_worker0(server)
     try:
+        assert again.welcome.meta["rejoined_at"] == 0
         ack = again.ask_past_pushes(MsgType.DECLARE, table=0,
                                     meta=spec(4, 2))
         assert ack.meta["global_clock"] == 0  # it redoes clock 0
@@ -362,8 +364,11 @@ def test_a_stalled_worker_declared_dead_is_told_so(servers):
                                 clk=0).type == MsgType.ACK
     reply = live.ask_past_pushes(MsgType.READ, table=0, clk=1)
     assert reply.type == MsgType.ROWS and reply.clk == 1
-    # A replacement rejoins; the stalled process cannot take its place.
+    # A replacement rejoins (at the table's clock, its WELCOME says; a
+    # first HELLO says nothing); the stalled process cannot take its place.
+    assert "rejoined_at" not in stalled.welcome.meta
     replacement = servers.peer(server, 1, incarnation=2)
+    assert replacement.welcome.meta["rejoined_at"] == 1
     reply = stalled.ask_past_pushes(MsgType.HELLO, meta={"incarnation": 1})
     assert reply.type == MsgType.ERROR
     assert reply.meta["code"] == protocol.ERROR_WORKER_DEAD

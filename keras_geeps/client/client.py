@@ -337,6 +337,10 @@ class GeePSClient:
         self.wait_seconds = 0.0
         self.bytes_delivered = 0  # rows put into waiting reads' buffers
         self.reconnects = 0  # broken connections to a live shard, resumed
+        # The clock (> 0) this worker rejoined a job under way at (a worker
+        # the others went on without: `on_worker_failure="continue"`), else
+        # None: set from the shards' first welcomes.
+        self.rejoined_at = None
         self.access_plan = AccessPlan()
         self._clock_lock = threading.Lock()  # clock() vs a recovery replay
         self._recovering = {}  # shard -> DECLAREs still to be answered
@@ -395,6 +399,12 @@ class GeePSClient:
             for shard in range(self.cluster.num_shards)], "HELLO")
         for shard, welcome in enumerate(welcomes):
             self._on_welcome(shard, welcome)
+        rejoined = [w.meta["rejoined_at"] for w in welcomes
+                    if "rejoined_at" in w.meta]
+        if rejoined and max(rejoined) > 0:  # (at 0 nothing was under way)
+            self.rejoined_at = max(rejoined)
+            log.warning("worker %d rejoined a job under way at clock %d",
+                        self.worker_id, self.rejoined_at)
         # Keep sent updates for replay only when shards write checkpoints,
         # all at the same clocks: a job's checkpoint is consistent only so,
         # and a shard without them would keep the log from being trimmed.

@@ -42,6 +42,7 @@ import copy
 import functools
 import inspect
 import threading
+import warnings
 import weakref
 
 import keras
@@ -321,6 +322,7 @@ def install_fit_hooks():
 
     @functools.wraps(on_train_begin)
     def fitting(self, *args, **kwargs):
+        _warn_if_rejoined(strategy_of(self)[1])
         self._geeps_fitting = True  # (this list: fit's own)
         self._geeps_statistics_averaged = False
         return on_train_begin(self, *args, **kwargs)
@@ -358,6 +360,27 @@ def install_fit_hooks():
     callback_list.on_train_end = synced_first
     _install_reraise()
     callback_list._geeps_fit_hooks_installed = True
+
+
+def _warn_if_rejoined(strategy):
+    """Warns, at `fit`'s start, a worker that rejoined a job under way
+    while the strategy averages at epoch ends: its epochs start where the
+    others are mid-epoch, so the barriers cannot line up."""
+    client = getattr(strategy, "client", None)
+    rejoined_at = getattr(client, "rejoined_at", None)
+    barriers = [name for name in ("epoch_logs", "non_trainable")
+                if getattr(strategy, name, None) is not None]
+    if rejoined_at is None or not barriers or client.num_workers == 1:
+        return
+    options = ", ".join(f"{name}=False" for name in (
+        "average_epoch_logs", "average_non_trainable"))
+    warnings.warn(
+        f"worker {client.worker_id} rejoined a job under way at clock "
+        f"{rejoined_at}: its epoch ends will not line up with the other "
+        f"workers', and the epoch-end averaging ({', '.join(barriers)}) "
+        f"waits for them until the timeout. Jobs whose workers may restart "
+        f"mid-way need GeePSStrategy({options}) on every worker",
+        stacklevel=2)
 
 
 # Keras methods that run compiled steps: an exception our pull / push ops

@@ -20,8 +20,10 @@ does not poison the later ones.
 Epoch ends must line up across workers, as BSP `fit` needs anyway: a
 worker that restarts mid-job (`on_worker_failure="continue"`) would leave
 the others at the barrier; pass `GeePSStrategy(average_epoch_logs=False,
-average_non_trainable=False)` for such jobs (the statistics' barrier,
-keras/non_trainable.py, needs the same).
+average_non_trainable=False)` to every worker of such jobs (the
+statistics' barrier, keras/non_trainable.py, needs the same). A worker that
+rejoins a job under way learns it from its shards (`client.rejoined_at`),
+and its `fit` warns while either averaging is on.
 """
 
 import zlib

@@ -94,7 +94,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             worker. Costs a barrier at every epoch end (a clock and two
             reads of a small table; under SSP the slack is spent there)
             and needs epoch ends that line up across workers
-            (`keras/epoch_logs.py`). Defaults to True.
+            (`keras/epoch_logs.py`): a worker that rejoined a job under
+            way (`client.rejoined_at`) is warned at the start of its
+            `fit`. Defaults to True.
         average_non_trainable: at every epoch end of `fit` (before the
             callbacks, or before the validation when it validates),
             replace the model's non-trainable statistics

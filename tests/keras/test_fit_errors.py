@@ -9,6 +9,7 @@ of `fit` as `tf.errors.UnknownError`.
 
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -166,3 +167,41 @@ def test_a_dataset_of_known_length_is_evened_out(thread_cluster):
     finally:
         for strategy in strategies:
             strategy.close()
+
+
+def test_a_worker_rejoining_a_job_under_way_is_warned_at_fit_start(
+        thread_cluster):
+    """Under on_worker_failure="continue", a worker the others went on
+    without learns at its HELLO the clock it rejoined at, and its `fit`
+    warns that the epoch-end averaging cannot line up with the others'."""
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=1, on_worker_failure="continue"))
+    first = GeePSStrategy(client=cluster.client(0, timeout=30,
+                                                heartbeat_interval=0.2))
+    silent = cluster.client(1, timeout=30, heartbeat_interval=0)
+    assert silent.rejoined_at is None  # a first HELLO joins, not rejoins
+    again = None
+    try:
+        x, y = regression_data(4 * BATCH)
+        model = small_model(first)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # worker 0 never rejoined
+            # 4 steps: the second waits until worker 1 is declared dead.
+            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                      verbose=0, callbacks=first.callbacks())
+        assert first.parameter_sync.steps == 4
+        silent.close()
+        again = GeePSStrategy(client=cluster.client(1, timeout=30,
+                                                    heartbeat_interval=0.2))
+        assert again.client.rejoined_at == 4  # the layers' tables' clock
+        rejoined = small_model(again)
+        with pytest.warns(UserWarning, match=(
+                "worker 1 rejoined a job under way at clock 4: its epoch "
+                "ends will not line up")) as caught:
+            rejoined.fit(x, y, batch_size=BATCH, epochs=0, verbose=0)
+        assert "average_epoch_logs=False, average_non_trainable=False" in \
+            str(caught[0].message)
+    finally:
+        if again is not None:
+            again.close()
+        first.close()
