@@ -365,7 +365,7 @@ def install_fit_hooks():
 def _warn_if_rejoined(strategy):
     """Warns, at `fit`'s start, a worker that rejoined a job under way
     while the strategy averages at epoch ends: its epochs start where the
-    others are mid-epoch, so the barriers cannot line up."""
+    others are (most likely) mid-epoch, so the barriers do not line up."""
     client = getattr(strategy, "client", None)
     rejoined_at = getattr(client, "rejoined_at", None)
     barriers = [name for name in ("epoch_logs", "non_trainable")
@@ -376,9 +376,10 @@ def _warn_if_rejoined(strategy):
         "average_epoch_logs", "average_non_trainable"))
     warnings.warn(
         f"worker {client.worker_id} rejoined a job under way at clock "
-        f"{rejoined_at}: its epoch ends will not line up with the other "
-        f"workers', and the epoch-end averaging ({', '.join(barriers)}) "
-        f"waits for them until the timeout. Jobs whose workers may restart "
+        f"{rejoined_at}: its epoch ends line up with the other workers' "
+        f"only if this fit starts exactly where the others' epoch does; "
+        f"else the epoch-end averaging ({', '.join(barriers)}) waits for "
+        f"them until the timeout. Jobs whose workers may restart "
         f"mid-way need GeePSStrategy({options}) on every worker",
         stacklevel=2)
 

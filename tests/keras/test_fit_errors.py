@@ -197,7 +197,7 @@ def test_a_worker_rejoining_a_job_under_way_is_warned_at_fit_start(
         rejoined = small_model(again)
         with pytest.warns(UserWarning, match=(
                 "worker 1 rejoined a job under way at clock 4: its epoch "
-                "ends will not line up")) as caught:
+                "ends line up with the other workers' only if")) as caught:
             rejoined.fit(x, y, batch_size=BATCH, epochs=0, verbose=0)
         assert "average_epoch_logs=False, average_non_trainable=False" in \
             str(caught[0].message)
