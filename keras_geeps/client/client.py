@@ -399,10 +399,9 @@ class GeePSClient:
             for shard in range(self.cluster.num_shards)], "HELLO")
         for shard, welcome in enumerate(welcomes):
             self._on_welcome(shard, welcome)
-        rejoined = [w.meta["rejoined_at"] for w in welcomes
-                    if "rejoined_at" in w.meta]
-        if rejoined and max(rejoined) > 0:  # (at 0 nothing was under way)
-            self.rejoined_at = max(rejoined)
+        rejoined_at = max(w.meta.get("rejoined_at", 0) for w in welcomes)
+        if rejoined_at > 0:  # (at 0 nothing was under way)
+            self.rejoined_at = rejoined_at
             log.warning("worker %d rejoined a job under way at clock %d",
                         self.worker_id, self.rejoined_at)
         # Keep sent updates for replay only when shards write checkpoints,

@@ -372,15 +372,14 @@ def _warn_if_rejoined(strategy):
                 if getattr(strategy, name, None) is not None]
     if rejoined_at is None or not barriers or client.num_workers == 1:
         return
-    options = ", ".join(f"{name}=False" for name in (
-        "average_epoch_logs", "average_non_trainable"))
     warnings.warn(
         f"worker {client.worker_id} rejoined a job under way at clock "
         f"{rejoined_at}: its epoch ends line up with the other workers' "
         f"only if this fit starts exactly where the others' epoch does; "
         f"else the epoch-end averaging ({', '.join(barriers)}) waits for "
         f"them until the timeout. Jobs whose workers may restart "
-        f"mid-way need GeePSStrategy({options}) on every worker",
+        f"mid-way need GeePSStrategy(average_epoch_logs=False, "
+        f"average_non_trainable=False) on every worker",
         stacklevel=2)
 
 

@@ -173,7 +173,8 @@ def test_a_worker_rejoining_a_job_under_way_is_warned_at_fit_start(
         thread_cluster):
     """Under on_worker_failure="continue", a worker the others went on
     without learns at its HELLO the clock it rejoined at, and its `fit`
-    warns that the epoch-end averaging cannot line up with the others'."""
+    warns that the epoch-end averaging lines up with the others' only if
+    its epochs start where theirs do."""
     cluster = thread_cluster(1, 2, settings=ShardSettings(
         worker_timeout=1, on_worker_failure="continue"))
     first = GeePSStrategy(client=cluster.client(0, timeout=30,
