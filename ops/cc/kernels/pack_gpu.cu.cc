@@ -68,6 +68,15 @@ __device__ inline double Add(double a, double b) {
   return a + b;
 }
 
+// Each thread moves kUnroll elements a turn, blockDim.x apart (so a warp's
+// accesses stay contiguous), all loads before any store: kUnroll times the
+// bytes in flight of one element a thread, which a copy at HBM speed needs,
+// and no alignment asked of the segments (a layout's offsets can be odd).
+// Pack and Unpack keep a kernel each, with __restrict__ pointers: one kernel
+// over both, through a step object and void pointers, measured unpack-add
+// 1.4x slower on an H200 (benchmarks/RESULTS.md).
+constexpr int kUnroll = 4;
+
 template <typename T, bool kDelta>
 __global__ void PackKernel(Segments segments, const T* __restrict__ snapshot,
                            T* __restrict__ out) {
@@ -75,10 +84,23 @@ __global__ void PackKernel(Segments segments, const T* __restrict__ snapshot,
   const int64_t begin = segments.offset[s];
   const int64_t size = segments.offset[s + 1] - begin;
   const T* __restrict__ src = static_cast<const T*>(segments.ptr[s]);
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       k < size; k += stride) {
-    out[begin + k] = kDelta ? Sub(src[k], snapshot[begin + k]) : src[k];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (int64_t first =
+           blockIdx.x * static_cast<int64_t>(blockDim.x) * kUnroll + threadIdx.x;
+       first < size; first += stride) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = first + u * static_cast<int64_t>(blockDim.x);
+      if (k < size) {
+        v[u] = kDelta ? Sub(src[k], snapshot[begin + k]) : src[k];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = first + u * static_cast<int64_t>(blockDim.x);
+      if (k < size) out[begin + k] = v[u];
+    }
   }
 }
 
@@ -88,10 +110,23 @@ __global__ void UnpackKernel(Segments segments, const T* __restrict__ buffer) {
   const int64_t begin = segments.offset[s];
   const int64_t size = segments.offset[s + 1] - begin;
   T* __restrict__ dst = static_cast<T*>(const_cast<void*>(segments.ptr[s]));
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-       k < size; k += stride) {
-    dst[k] = kAdd ? Add(dst[k], buffer[begin + k]) : buffer[begin + k];
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kUnroll;
+  for (int64_t first =
+           blockIdx.x * static_cast<int64_t>(blockDim.x) * kUnroll + threadIdx.x;
+       first < size; first += stride) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = first + u * static_cast<int64_t>(blockDim.x);
+      if (k < size) {
+        v[u] = kAdd ? Add(dst[k], buffer[begin + k]) : buffer[begin + k];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t k = first + u * static_cast<int64_t>(blockDim.x);
+      if (k < size) dst[k] = v[u];
+    }
   }
 }
 
@@ -108,7 +143,8 @@ dim3 Chunk(const void* const* ptrs, const int64_t* offsets, int first,
   segments->offset[count] = offsets[first + count];
   const int64_t blocks =
       std::min(kMaxBlocksPerSegment,
-               std::max<int64_t>(1, (largest + kThreads - 1) / kThreads));
+               std::max<int64_t>(1, (largest + kThreads * kUnroll - 1) /
+                                        (kThreads * kUnroll)));
   return dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(count));
 }
 
