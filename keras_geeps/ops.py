@@ -113,20 +113,28 @@ def _indices(indices):
     return indices
 
 
-def gather_rows(table, indices):
+def gather_rows(table, indices, check_indices=True):
     """Gathers whole rows of a matrix: `table[indices[i], :]` for every i.
 
     GeePS reads a batch of rows named by an index list built once; this is
     that read as one kernel, from a variable (under its read lock, visible to
     `tf.GradientTape` like any variable read) or from a tensor. Every index is
     checked: one outside `[0, rows)` fails the op with InvalidArgumentError
-    naming its position and value.
+    naming its position and value. On a GPU that check waits for the device
+    (the op cannot fail later), about 18 us a call behind queued work on an
+    H200 (benchmarks/RESULTS.md); an index built and checked once, as
+    `DeviceParameterCache`'s are, can skip it with `check_indices=False`.
 
     Args:
         table: tf.Variable, keras.Variable or tensor of shape `[rows, width]`
             and dtype float32, float16, bfloat16 or float64.
         indices: int32 or int64 vector of row numbers, any order, repeats
             allowed.
+        check_indices: bool. If False, a GPU op does not check the indices
+            (nor wait for the device): the rows of indices outside
+            `[0, rows)` come out as zeros, as in `tf.gather` on a GPU. The
+            CPU op always checks (it would read out of bounds otherwise).
+            Defaults to True.
 
     Returns:
         A tensor `[len(indices), width]` of the table's dtype (a
@@ -144,9 +152,11 @@ def gather_rows(table, indices):
     variable = _resource_variable(table)
     if variable is not None:
         resource_variable_ops.variable_accessed(variable)
-        return _gen.geeps_resource_gather_rows(variable.handle, indices,
-                                               dtype=variable.dtype)
-    return _gen.geeps_gather_rows(tf.convert_to_tensor(table), indices)
+        return _gen.geeps_resource_gather_rows(
+            variable.handle, indices, dtype=variable.dtype,
+            check_indices=check_indices)
+    return _gen.geeps_gather_rows(tf.convert_to_tensor(table), indices,
+                                  check_indices=check_indices)
 
 
 @tf.RegisterGradient("Geeps>GatherRows")
@@ -162,7 +172,7 @@ def _resource_gather_rows_grad(op, grad):
     return [tf.IndexedSlices(grad, op.inputs[1], params_shape), None]
 
 
-def scatter_add_rows(variable, indices, updates):
+def scatter_add_rows(variable, indices, updates, check_indices=True):
     """Adds rows into a variable in place: `variable[indices[i]] += updates[i]`.
 
     GeePS applies an update batch as one kernel into the parameter cache or
@@ -177,6 +187,10 @@ def scatter_add_rows(variable, indices, updates):
         indices: int32 or int64 vector of row numbers.
         updates: tensor `[len(indices), width]`, converted to the variable's
             dtype.
+        check_indices: bool. If False, a GPU op does not check the indices
+            (nor wait for the device, see `gather_rows`): rows of indices
+            outside `[0, rows)` are not added. The CPU op always checks.
+            Defaults to True.
 
     Returns:
         None eagerly and inside tf.function (where automatic control
@@ -193,7 +207,8 @@ def scatter_add_rows(variable, indices, updates):
     indices = _indices(indices)
     updates = tf.convert_to_tensor(updates, dtype=variable.dtype)
     op = _gen.geeps_resource_scatter_add_rows(variable.handle, indices,
-                                              updates)
+                                              updates,
+                                              check_indices=check_indices)
     return None if tf.inside_function() else op
 
 

@@ -180,6 +180,49 @@ def test_invalid_indices_are_named(device, index_dtype, bad, position):
         tf.function(lambda: ops.gather_rows(table, indices))()
 
 
+def test_unchecked_indices_are_still_checked_on_the_cpu():
+    """check_indices=False skips only the GPU's check: on the CPU a bad index
+    would read or write out of bounds, so it still fails, naming it."""
+    table = tf.Variable(tf.ones([5, 2]))
+    indices = tf.constant([0, 7], tf.int32)
+    message = r"indices\[1\] = 7 is not in \[0, 5\)"
+    with tf.device("/CPU:0"):
+        with pytest.raises(INVALID, match=message):
+            ops.gather_rows(table, indices, check_indices=False)
+        with pytest.raises(INVALID, match=message):
+            ops.gather_rows(tf.ones([5, 2]), indices, check_indices=False)
+        with pytest.raises(INVALID, match=message):
+            ops.scatter_add_rows(table, indices, tf.ones([2, 2]),
+                                 check_indices=False)
+        with pytest.raises(INVALID, match=message):
+            tf.function(lambda: ops.gather_rows(table, indices,
+                                                check_indices=False))()
+    np.testing.assert_array_equal(table.numpy(), np.ones([5, 2]))
+
+
+@pytest.mark.needs_gpu
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+def test_unchecked_indices_on_a_gpu_zero_fill_and_skip(index_dtype):
+    """On a GPU, check_indices=False neither checks nor waits: rows of
+    out-of-range indices gather as zeros and are not added, as in TF's own
+    GPU gather and scatters; the others are exact."""
+    values = np.arange(10, dtype=np.float32).reshape(5, 2) + 1
+    indices = tf.constant([4, -1, 0, 5, 4], index_dtype)
+    with tf.device("/GPU:0"):
+        table = tf.Variable(values)
+        want = np.zeros([5, 2], np.float32)
+        want[[0, 2, 4]] = values[[4, 0, 4]]
+        for source in (table, tf.constant(values)):
+            got = ops.gather_rows(source, indices, check_indices=False)
+            np.testing.assert_array_equal(got.numpy(), want)
+        ops.scatter_add_rows(table, indices, tf.ones([5, 2]),
+                             check_indices=False)
+    added = values.copy()
+    added[4] += 2
+    added[0] += 1
+    np.testing.assert_array_equal(table.numpy(), added)
+
+
 def test_invalid_int64_index_is_named_exactly():
     with pytest.raises(INVALID, match=r"indices\[1\] = 1099511627776 is not"):
         ops.gather_rows(tf.ones([3, 1]), tf.constant([0, 2**40], tf.int64))

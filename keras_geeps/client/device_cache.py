@@ -7,7 +7,9 @@ GPU memory, and every access is one batched kernel over a pre-built index.
 update-log variable of the same shape. Data moves only through the custom
 ops: fresh rows from the shards are written into the cache variable with
 `unpack`; a read is one `gather_rows` over the access's pre-built index;
-an update is one `scatter_add_rows` into the log; `clock()` packs the log into one contiguous buffer with `pack` and hands it
+an update is one `scatter_add_rows` into the log (indexes are checked
+against the table once, when built, so these ops skip their own check,
+which on a GPU waits for the device); `clock()` packs the log into one contiguous buffer with `pack` and hands it
 to the client to send.
 
 `GeePSStrategy` does not need this class (a Keras model's own variables are
@@ -155,10 +157,12 @@ class DeviceParameterCache:
         entry = self.refresh(handle)
         if rows is not None:
             return ops.gather_rows(entry.cache,
-                                   self._rows_index(handle, rows))
+                                   self._rows_index(handle, rows),
+                                   check_indices=False)
         if handle.rows is None:
             return tf.identity(entry.cache)
-        return ops.gather_rows(entry.cache, self._index(entry, handle))
+        return ops.gather_rows(entry.cache, self._index(entry, handle),
+                               check_indices=False)
 
     def update(self, what, delta, rows=None):
         """Adds `delta` (rows of the access) into the table's update log.
@@ -183,7 +187,7 @@ class DeviceParameterCache:
                 raise ValueError(
                     f"update of {handle.name!r}: delta has {count} rows for "
                     f"{int(index.shape[0])} entries of rows")
-            ops.scatter_add_rows(entry.log, index, delta)
+            ops.scatter_add_rows(entry.log, index, delta, check_indices=False)
         elif isinstance(handle, AccessHandle) and handle.rows is not None:
             if count != len(handle.rows):
                 raise ValueError(
@@ -191,7 +195,8 @@ class DeviceParameterCache:
                     f"access {len(handle.rows)} (its rows, sorted and unique, "
                     f"begin {handle.rows[:8].tolist()}): to update in your "
                     "own order, with repeats, pass rows=")
-            ops.scatter_add_rows(entry.log, self._index(entry, handle), delta)
+            ops.scatter_add_rows(entry.log, self._index(entry, handle), delta,
+                                 check_indices=False)
         else:
             entry.log.assign_add(tf.reshape(delta, entry.log.shape))
         entry.dirty = True

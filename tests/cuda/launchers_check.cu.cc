@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -440,6 +441,34 @@ void Bench() {
               gbs(3, pack_delta));
   std::printf("  %-26s %8.3f ms %8.1f GB/s\n", "unpack add", unpack_add,
               gbs(3, unpack_add));
+  // What FindBadIndex's wait costs a layer-sized gather (4096 rows, 2 MiB)
+  // queued behind other work (a 64 MiB device copy standing in for the
+  // step's kernels before it): host wall time per round, 200 rounds, with
+  // the check (the host waits for the queue at every call) and without.
+  DeviceBuffer scratch(8);
+  const int64_t small = 4096;
+  auto round_us = [&](bool check) {
+    auto one = [&] {
+      cudaMemcpyAsync(copy.ptr, out.ptr, 64 << 20, cudaMemcpyDeviceToDevice);
+      int64_t pos = 0, value = 0;
+      if (check) {
+        geeps_gpu::FindBadIndex(nullptr, didx.ptr, false, small, rows,
+                                scratch.ptr, &pos, &value);
+      }
+      geeps_gpu::GatherRows(nullptr, geeps_gpu::kFloat32, table.ptr, rows,
+                            width, didx.ptr, false, small, out.ptr);
+    };
+    for (int i = 0; i < 10; ++i) one();
+    Cuda(cudaDeviceSynchronize(), "sync");
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 200; ++i) one();
+    Cuda(cudaDeviceSynchronize(), "sync");
+    return std::chrono::duration<double, std::micro>(
+               std::chrono::steady_clock::now() - start).count() / 200;
+  };
+  const double unchecked = round_us(false), checked = round_us(true);
+  std::printf("  %-26s %8.1f us a round checked, %.1f unchecked\n",
+              "index check's wait", checked, unchecked);
   std::printf("{\"gather_vs_memcpy\": %.3f, \"scatter_add_vs_memcpy\": %.3f, "
               "\"pack_vs_memcpy\": %.3f}\n",
               memcpy_ms / gather, memcpy_ms * 1.5 / scatter, memcpy_ms / pack);

@@ -16,7 +16,8 @@ struct GatherRows<CPUDevice, T, Index> {
   absl::Status operator()(OpKernelContext* ctx,
                           typename TTypes<T>::ConstMatrix params,
                           typename TTypes<Index>::ConstFlat indices,
-                          typename TTypes<T>::Matrix out) {
+                          typename TTypes<T>::Matrix out,
+                          bool /*check_indices: always, on the CPU*/) {
     const int64_t rows = params.dimension(0);
     const int64_t width = params.dimension(1);
     const int64_t n = indices.size();
@@ -54,7 +55,8 @@ struct ScatterAddRows<CPUDevice, T, Index> {
   absl::Status operator()(OpKernelContext* ctx,
                           typename TTypes<T>::Matrix params,
                           typename TTypes<Index>::ConstFlat indices,
-                          typename TTypes<T>::ConstMatrix updates) {
+                          typename TTypes<T>::ConstMatrix updates,
+                          bool /*check_indices: always, on the CPU*/) {
     const int64_t rows = params.dimension(0);
     const int64_t width = params.dimension(1);
     const int64_t n = indices.size();
@@ -117,11 +119,13 @@ struct GatherRows<GPUDevice, T, Index> {
   absl::Status operator()(OpKernelContext* ctx,
                           typename TTypes<T>::ConstMatrix params,
                           typename TTypes<Index>::ConstFlat indices,
-                          typename TTypes<T>::Matrix out) {
+                          typename TTypes<T>::Matrix out, bool check_indices) {
     const int64_t rows = params.dimension(0);
     const int64_t width = params.dimension(1);
     const int64_t n = indices.size();
-    TF_RETURN_IF_ERROR(CheckIndicesGpu(ctx, indices.data(), n, rows));
+    if (check_indices) {
+      TF_RETURN_IF_ERROR(CheckIndicesGpu(ctx, indices.data(), n, rows));
+    }
     if (width == 0 || n == 0) return absl::OkStatus();
     return GpuStatus(
         geeps_gpu::GatherRows(GpuStream(ctx), GpuDType<T>::value, params.data(),
@@ -136,11 +140,14 @@ struct ScatterAddRows<GPUDevice, T, Index> {
   absl::Status operator()(OpKernelContext* ctx,
                           typename TTypes<T>::Matrix params,
                           typename TTypes<Index>::ConstFlat indices,
-                          typename TTypes<T>::ConstMatrix updates) {
+                          typename TTypes<T>::ConstMatrix updates,
+                          bool check_indices) {
     const int64_t rows = params.dimension(0);
     const int64_t width = params.dimension(1);
     const int64_t n = indices.size();
-    TF_RETURN_IF_ERROR(CheckIndicesGpu(ctx, indices.data(), n, rows));
+    if (check_indices) {
+      TF_RETURN_IF_ERROR(CheckIndicesGpu(ctx, indices.data(), n, rows));
+    }
     if (width == 0 || n == 0) return absl::OkStatus();
     return GpuStatus(
         geeps_gpu::ScatterAddRows(GpuStream(ctx), GpuDType<T>::value,
@@ -158,7 +165,8 @@ namespace {
 // Gathers rows of `params` into a new output 0; `what` names params in errors.
 template <typename Device, typename T, typename Index>
 void GatherFromMatrix(OpKernelContext* ctx, const Tensor& params,
-                      const Tensor& indices, const char* what) {
+                      const Tensor& indices, bool check_indices,
+                      const char* what) {
   OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(params.shape()),
               absl::InvalidArgumentError(
                   absl::StrCat(what,
@@ -175,24 +183,31 @@ void GatherFromMatrix(OpKernelContext* ctx, const Tensor& params,
       ctx, ctx->allocate_output(0, TensorShape({n, params.dim_size(1)}), &out));
   OP_REQUIRES_OK(ctx, functor::GatherRows<Device, T, Index>()(
                           ctx, params.matrix<T>(), indices.flat<Index>(),
-                          out->matrix<T>()));
+                          out->matrix<T>(), check_indices));
 }
 
 template <typename Device, typename T, typename Index>
 class GatherRowsOp : public OpKernel {
  public:
-  explicit GatherRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit GatherRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("check_indices", &check_indices_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     GatherFromMatrix<Device, T, Index>(ctx, ctx->input(0), ctx->input(1),
-                                       "params");
+                                       check_indices_, "params");
   }
+
+ private:
+  bool check_indices_;
 };
 
 template <typename Device, typename T, typename Index>
 class ResourceGatherRowsOp : public OpKernel {
  public:
-  explicit ResourceGatherRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit ResourceGatherRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("check_indices", &check_indices_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<Var> var;
@@ -201,15 +216,20 @@ class ResourceGatherRowsOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckVariable(var.get(), DataTypeToEnum<T>::value,
                                       "the variable"));
     GatherFromMatrix<Device, T, Index>(ctx, *var->tensor(), ctx->input(1),
-                                       "the variable");
+                                       check_indices_, "the variable");
   }
+
+ private:
+  bool check_indices_;
 };
 
 template <typename Device, typename T, typename Index>
 class ResourceScatterAddRowsOp : public OpKernel {
  public:
   explicit ResourceScatterAddRowsOp(OpKernelConstruction* ctx)
-      : OpKernel(ctx) {}
+      : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("check_indices", &check_indices_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& indices = ctx->input(1);
@@ -248,8 +268,12 @@ class ResourceScatterAddRowsOp : public OpKernel {
                                                 /*sparse=*/true));
     OP_REQUIRES_OK(ctx, functor::ScatterAddRows<Device, T, Index>()(
                             ctx, var->tensor()->matrix<T>(),
-                            indices.flat<Index>(), updates.matrix<T>()));
+                            indices.flat<Index>(), updates.matrix<T>(),
+                            check_indices_));
   }
+
+ private:
+  bool check_indices_;
 };
 
 }  // namespace

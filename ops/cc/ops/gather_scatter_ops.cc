@@ -43,6 +43,7 @@ REGISTER_OP("Geeps>GatherRows")
     .Output("output: T")
     .Attr("T: {float, half, bfloat16, double}")
     .Attr("Tindices: {int32, int64}")
+    .Attr("check_indices: bool = true")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle params, indices;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &params));
@@ -53,7 +54,10 @@ REGISTER_OP("Geeps>GatherRows")
     .Doc(R"doc(
 Gathers whole rows of a matrix: output[i, :] = params[indices[i], :].
 
-Fails with InvalidArgument naming the first index outside [0, rows).
+Fails with InvalidArgument naming the first index outside [0, rows). On a GPU
+with check_indices=false the check (which waits for the device) is skipped:
+rows of such indices come out as zeros, as in TF's own GPU gather. On the CPU
+indices are always checked.
 )doc");
 
 REGISTER_OP("Geeps>ResourceGatherRows")
@@ -62,6 +66,7 @@ REGISTER_OP("Geeps>ResourceGatherRows")
     .Output("output: dtype")
     .Attr("dtype: {float, half, bfloat16, double}")
     .Attr("Tindices: {int32, int64}")
+    .Attr("check_indices: bool = true")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused, indices;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
@@ -75,6 +80,7 @@ REGISTER_OP("Geeps>ResourceGatherRows")
     })
     .Doc(R"doc(
 Gathers whole rows of a [rows, width] resource variable under its read lock.
+check_indices as for GatherRows.
 )doc");
 
 REGISTER_OP("Geeps>ResourceScatterAddRows")
@@ -83,6 +89,7 @@ REGISTER_OP("Geeps>ResourceScatterAddRows")
     .Input("updates: dtype")
     .Attr("dtype: {float, half, bfloat16, double}")
     .Attr("Tindices: {int32, int64}")
+    .Attr("check_indices: bool = true")
     .SetIsStateful()
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused, indices, updates;
@@ -101,7 +108,10 @@ REGISTER_OP("Geeps>ResourceScatterAddRows")
     .Doc(R"doc(
 Adds updates[i, :] into row indices[i] of a [rows, width] resource variable,
 in place under the variable's lock. Duplicate indices accumulate. Every index
-is checked before anything is written.
+is checked before anything is written; on a GPU with check_indices=false the
+check (which waits for the device) is skipped and rows of out-of-range indices
+are not added, as in TF's own GPU scatters. On the CPU indices are always
+checked.
 )doc");
 
 }  // namespace geeps
