@@ -25,7 +25,8 @@ left alone. The variables' paths, shapes and dtypes make the barrier's
 key: workers whose models differ get a clear error. One table per layout
 and client (strategies sharing a client share them), named
 `keras_geeps.non_trainable.<n>` in the order the layouts first come; like
-the epoch logs, it needs epoch ends that line up across workers.
+the epoch logs, it needs epoch ends that line up across workers (a worker
+that rejoins a job under way lines up first: keras/rejoin.py).
 """
 
 import weakref
@@ -108,18 +109,11 @@ class NonTrainableAverager:
         variables = averaged_variables(model, self.sync)
         if not variables:
             return 0
-        layout = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
-        key = float(zlib.crc32(repr(layout).encode()))
-        values = [np.asarray(v.numpy(), np.float64).reshape(-1)
-                  for v in variables]
-        sizes = [a.size for a in values]
-        means_of = _MEANS.setdefault(self.client, {})
-        mean = means_of.get(key)
-        if mean is None:
-            mean = means_of[key] = WorkerMean(
-                self.client, f"{TABLE_PREFIX}.{len(means_of)}", sum(sizes))
+        mean, layout, key = self._mean_of(variables)
+        values = np.concatenate([np.asarray(v.numpy(), np.float64).reshape(-1)
+                                 for v in variables])
         means = mean.mean(
-            np.concatenate(values), key,
+            values, key,
             mismatch=f"the workers' models have different non-trainable "
                      f"variables (this worker: {len(layout)}, "
                      f"{layout[:3]}...): give every worker the same model, "
@@ -127,8 +121,28 @@ class NonTrainableAverager:
             what="averaging the non-trainable variables (BatchNorm "
                  "statistics)")
         offset = 0
-        for variable, size in zip(variables, sizes):  # (cast by assign)
+        for variable in variables:  # (cast by assign)
+            size = int(np.prod(variable.shape))
             variable.assign(means[offset:offset + size].reshape(
                 variable.shape))
             offset += size
         return len(variables)
+
+    def worker_mean(self, model):
+        """The `WorkerMean` `model`'s statistics are averaged through (its
+        table is made at its first use), or None when it has none."""
+        variables = averaged_variables(model, self.sync)
+        return self._mean_of(variables)[0] if variables else None
+
+    def _mean_of(self, variables):
+        """(WorkerMean, layout, key) of a list of averaged variables: one
+        table per layout and client, named in the order layouts come."""
+        layout = [(v.path, tuple(v.shape), str(v.dtype)) for v in variables]
+        key = float(zlib.crc32(repr(layout).encode()))
+        means_of = _MEANS.setdefault(self.client, {})
+        mean = means_of.get(key)
+        if mean is None:
+            size = sum(int(np.prod(v.shape)) for v in variables)
+            mean = means_of[key] = WorkerMean(
+                self.client, f"{TABLE_PREFIX}.{len(means_of)}", size)
+        return mean, layout, key

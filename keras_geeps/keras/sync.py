@@ -220,6 +220,13 @@ class ParameterSync:
     def built(self):
         return bool(self.tables)
 
+    @property
+    def clock(self):
+        """This worker's clock of its parameter tables (they clock
+        together: one per step), or None before they are built."""
+        return min(layer.table.clock for layer in self.tables) \
+            if self.tables else None
+
     # --------------------------------------------------- strategy hooks
     def track_variable(self, variable, trainable, keras_path=None):
         """Called for every variable created in the strategy's scope.
@@ -263,9 +270,7 @@ class ParameterSync:
             # A step's own nested call_for_each_replica (LossScaleOptimizer
             # applies its inner optimizer through one): already wrapped.
             return call()
-        if self._candidates:
-            with tf.init_scope():
-                self.build()
+        self.build_pending()
         if not self.tables:
             return self._run_untabled(call)
         # One op pulls every table, in layer order: the step waits for all
@@ -370,6 +375,13 @@ class ParameterSync:
                 tensors, tf.bool, name=f"geeps_push_{indices[-1]}")
 
     # ------------------------------------------------------------ tables
+    def build_pending(self):
+        """Builds the tables of variables tracked since the last build, if
+        any (outside any function being traced)."""
+        if self._candidates:
+            with tf.init_scope():
+                self.build()
+
     def build(self):
         """Creates one table per layer from the tracked trainable variables.
 

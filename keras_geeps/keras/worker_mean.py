@@ -63,7 +63,8 @@ class WorkerMean:
         """The table's row width."""
         return _HEAD + _PER_VALUE * self.size
 
-    def _table(self):
+    def table(self):
+        """The table, created (or taken over) at the first call."""
         try:
             table = self.client.table(self.name)
         except KeyError:
@@ -109,7 +110,7 @@ class WorkerMean:
                 f"ends must line up across workers): {exc}") from exc
 
     def _mean(self, values, key, mismatch):
-        table = self._table()
+        table = self.table()
         client = self.client
         clock, slack = table.clock, client.slack
         write = clock % 2
@@ -134,6 +135,11 @@ class WorkerMean:
         count = int(round(change[0]))
         if count < 1 or change[1] != count * key:
             raise GeePSError(mismatch)
+        return self._means(change, count)
+
+    def _means(self, change, count):
+        """The means of a barrier's sums (`change`: a row's worth) over
+        `count` workers, non-finite values as `mean` returns them."""
         per_value = change[_HEAD:].reshape(self.size, _PER_VALUE)
         nan, pos, neg = (np.round(per_value[:, i]) > 0 for i in (1, 2, 3))
         means = per_value[:, 0] / count
@@ -141,3 +147,39 @@ class WorkerMean:
         means[neg] = -np.inf
         means[nan | (pos & neg)] = np.nan
         return means
+
+    def last(self):
+        """The means of the last barrier the workers completed, as `mean`
+        returned them there, without taking part in one: what a worker
+        that rejoined a job under way reads to learn where the others are.
+
+        Reads the table at this worker's clock of it (its clock is the
+        barrier it would join next), so the row of the last barrier is
+        still whole: worker 0 zeroes it only at that next barrier.
+
+        Returns:
+            A float64 array of `size`, or None before the first barrier.
+        """
+        table = self.table()
+        clock = table.clock
+        if clock == 0:
+            return None
+        rows = self.client.read(table, clock=clock + self.client.slack)
+        last = rows[(clock - 1) % 2]
+        count = int(round(last[0]))
+        return self._means(last, count) if count >= 1 else None
+
+    def skip(self):
+        """Takes part in this worker's next barrier with no values: the
+        others' mean there does not count this worker, which does not wait
+        for it either (it clocks the table and returns). Worker 0 still
+        zeroes the next barrier's row, as in `mean`."""
+        table = self.table()
+        client = self.client
+        if client.worker_id == 0:
+            write = table.clock % 2
+            rows_before = client.read(table, clock=table.clock + client.slack)
+            rows = np.zeros((2, self.width))
+            rows[1 - write] = -rows_before[1 - write]
+            client.update(table, rows)
+        client.clock([table])
