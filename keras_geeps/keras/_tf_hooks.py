@@ -26,7 +26,8 @@ makes the workers' mean moving averages the weights everywhere,
 `ParameterSync.finalize_moving_average`); and at `fit`'s start, and at
 each `train_on_batch`, has the first step take the shards' rows, whatever
 weights were set since.
-`install_fit_hooks` has the
+`install_fit_hooks` has a worker that rejoined a job under way line up
+with the others' epochs as `fit` begins (keras/rejoin.py), the
 strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an epoch's logs
 by their mean over the workers before epoch-end callbacks, its
 `NonTrainableAverager` (keras/non_trainable.py) do the same for the
@@ -42,7 +43,6 @@ import copy
 import functools
 import inspect
 import threading
-import warnings
 import weakref
 
 import keras
@@ -52,6 +52,8 @@ from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
+
+from keras_geeps.keras import rejoin
 
 
 def _creating_keras_variable(max_frames=16):
@@ -322,10 +324,15 @@ def install_fit_hooks():
 
     @functools.wraps(on_train_begin)
     def fitting(self, *args, **kwargs):
-        _warn_if_rejoined(strategy_of(self)[1])
         self._geeps_fitting = True  # (this list: fit's own)
         self._geeps_statistics_averaged = False
-        return on_train_begin(self, *args, **kwargs)
+        result = on_train_begin(self, *args, **kwargs)
+        # After the callbacks' own (BackupAndRestore sets the epoch too).
+        model, strategy = strategy_of(self)
+        start = rejoin.line_up(strategy, model, self.params.get("steps"))
+        if start is not None:
+            self._geeps_epoch_before = _start_fit_at_epoch(model, start)
+        return result
 
     @functools.wraps(on_test_begin)
     def validated_averaged(self, *args, **kwargs):
@@ -337,11 +344,16 @@ def install_fit_hooks():
 
     @functools.wraps(on_epoch_end)
     def averaged(self, epoch, logs=None):
-        _, strategy = strategy_of(self)
+        model, strategy = strategy_of(self)
         averager = getattr(strategy, "epoch_logs", None)
+        averaged_first = getattr(self, "_geeps_statistics_averaged", False)
         if averager is not None and logs is not None:
-            averager.average(logs)  # before any callback sees them
-        if not getattr(self, "_geeps_statistics_averaged", False):
+            # before any callback sees them; with where the epoch ended
+            averager.average(
+                logs, epoch=epoch, clock=strategy.parameter_sync.clock,
+                statistics_clock=rejoin.statistics_clock_after(
+                    strategy, model, averaged_first))
+        if not averaged_first:
             average_statistics(self)
         self._geeps_statistics_averaged = False
         return on_epoch_end(self, epoch, logs)
@@ -349,6 +361,9 @@ def install_fit_hooks():
     @functools.wraps(on_train_end)
     def synced_first(self, *args, **kwargs):
         self._geeps_fitting = False
+        if hasattr(self, "_geeps_epoch_before"):  # (a later fit: its own)
+            _start_fit_at_epoch(self._model, self.__dict__.pop(
+                "_geeps_epoch_before"))
         for callback in self.callbacks:
             if isinstance(callback, ParameterServerCallback):
                 callback.sync_before_train_end()
@@ -362,25 +377,20 @@ def install_fit_hooks():
     callback_list._geeps_fit_hooks_installed = True
 
 
-def _warn_if_rejoined(strategy):
-    """Warns, at `fit`'s start, a worker that rejoined a job under way
-    while the strategy averages at epoch ends: its epochs start where the
-    others are (most likely) mid-epoch, so the barriers do not line up."""
-    client = getattr(strategy, "client", None)
-    rejoined_at = getattr(client, "rejoined_at", None)
-    barriers = [name for name in ("epoch_logs", "non_trainable")
-                if getattr(strategy, name, None) is not None]
-    if rejoined_at is None or not barriers or client.num_workers == 1:
-        return
-    warnings.warn(
-        f"worker {client.worker_id} rejoined a job under way at clock "
-        f"{rejoined_at}: its epoch ends line up with the other workers' "
-        f"only if this fit starts exactly where the others' epoch does; "
-        f"else the epoch-end averaging ({', '.join(barriers)}) waits for "
-        f"them until the timeout. Jobs whose workers may restart "
-        f"mid-way need GeePSStrategy(average_epoch_logs=False, "
-        f"average_non_trainable=False) on every worker",
-        stacklevel=2)
+def _start_fit_at_epoch(model, epoch):
+    """Has the `fit` whose callbacks are beginning start at `epoch`;
+    returns what it would have started at (None: its `initial_epoch`), to
+    be put back at its end.
+
+    Keras' `fit` reads `model._initial_epoch` (before its own
+    `initial_epoch`) right after `on_train_begin`, as
+    `keras.callbacks.BackupAndRestore` uses it; there is no public hook.
+    tests/keras/test_fit_errors.py's rejoin tests check that it still
+    takes.
+    """
+    before = model._initial_epoch
+    model._initial_epoch = epoch
+    return before
 
 
 # Keras methods that run compiled steps: an exception our pull / push ops

@@ -12,20 +12,22 @@ then hold the mean over the workers that took part (a dead worker, under
 `on_worker_failure="continue"`, is no longer counted).
 
 The table (`TABLE`, one per client, two rows of fixed width: room for
-`MAX_KEYS` numbers) is a `keras/worker_mean.WorkerMean`, keyed by a hash of
-the logs' keys: workers whose logs have different keys get a clear error
-instead of a mean of unlike values, and a NaN or an infinity in one epoch
-does not poison the later ones.
+`MAX_KEYS` numbers and the two below) is a `keras/worker_mean.WorkerMean`,
+keyed by a hash of the logs' keys: workers whose logs have different keys
+get a clear error instead of a mean of unlike values, and a NaN or an
+infinity in one epoch does not poison the later ones. Each barrier also
+carries the epoch and the parameter tables' clock it was taken at, and the
+statistics table's clock after that epoch end (all alike on every worker),
+so that a worker that rejoins a job under way can read where the others'
+epochs end (`last_epoch_end`).
 
-Epoch ends must line up across workers, as BSP `fit` needs anyway: a
-worker that restarts mid-job (`on_worker_failure="continue"`) would leave
-the others at the barrier; pass `GeePSStrategy(average_epoch_logs=False,
-average_non_trainable=False)` to every worker of such jobs (the
-statistics' barrier, keras/non_trainable.py, needs the same). A worker that
-rejoins a job under way learns it from its shards (`client.rejoined_at`),
-and its `fit` warns while either averaging is on.
+Epoch ends must line up across workers, as BSP `fit` needs anyway. A
+worker that restarts mid-job (`on_worker_failure="continue"`) and rejoins
+learns it from its shards (`client.rejoined_at`); its `fit` then first
+lines up with the others' next epoch end (`keras/rejoin.py`).
 """
 
+import collections
 import zlib
 
 import numpy as np
@@ -34,7 +36,16 @@ from keras_geeps.errors import GeePSError
 from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE = "keras_geeps.epoch_logs"
-MAX_KEYS = 256
+MAX_KEYS = 253
+# Before the logs' numbers: where the epoch ended (`EpochEnd`).
+_EPOCH, _CLOCK, _STATISTICS, _LOGS = 0, 1, 2, 3
+
+
+class EpochEnd(collections.namedtuple(
+        "EpochEnd", ["epoch", "clock", "statistics_clock"])):
+    """Where an averaged epoch ended: the epoch, the parameter tables'
+    clock, and the clock of the table averaging the model's statistics
+    after that epoch end's barrier (keras/non_trainable.py), or None."""
 
 
 def _numeric(value):
@@ -74,13 +85,39 @@ class EpochLogAverager:
 
     def __init__(self, client):
         self.client = client
-        self._mean = WorkerMean(client, TABLE, MAX_KEYS)
+        self.worker_mean = WorkerMean(client, TABLE, _LOGS + MAX_KEYS)
 
-    def average(self, logs):
+    def last_epoch_end(self):
+        """Where the workers' last averaged epoch ended, read without
+        taking part in a barrier (by a worker that rejoined: see
+        `keras/rejoin.py`).
+
+        Returns:
+            An `EpochEnd`, or None when there was no barrier yet or it did
+            not say (`average` called without `epoch` and `clock`).
+        """
+        means = self.worker_mean.last()
+        if means is None or not np.all(np.isfinite(means[:_STATISTICS])):
+            return None
+        statistics = means[_STATISTICS]
+        return EpochEnd(int(round(means[_EPOCH])), int(round(means[_CLOCK])),
+                        int(round(statistics)) if np.isfinite(statistics)
+                        else None)
+
+    def average(self, logs, epoch=None, clock=None, statistics_clock=None):
         """Replaces the numbers in `logs` (in place) by their mean over the
         live workers; leaves other entries alone (nested dicts are
         flattened first, as Keras' callbacks see them). A no-op with one
         worker.
+
+        Args:
+            logs: the epoch's logs (a dict).
+            epoch: the epoch that ends (alike on every worker), or None.
+            clock: the parameter tables' clock at this epoch end (alike on
+                every worker), or None. With `epoch`, what
+                `last_epoch_end` reads.
+            statistics_clock: the clock the statistics' table will have
+                after this epoch end's averaging, or None.
 
         Raises:
             GeePSError: the workers' logs have different keys, or more
@@ -100,15 +137,19 @@ class EpochLogAverager:
                 f"{len(keys)} numbers in the epoch logs: at most {MAX_KEYS} "
                 f"can be averaged over the workers (pass GeePSStrategy("
                 f"average_epoch_logs=False))")
-        row = np.zeros(MAX_KEYS)
-        row[:len(keys)] = [values[k] for k in keys]
-        means = self._mean.mean(
+        row = np.zeros(_LOGS + MAX_KEYS)
+        row[_EPOCH] = np.nan if epoch is None else epoch
+        row[_CLOCK] = np.nan if clock is None else clock
+        row[_STATISTICS] = np.nan if statistics_clock is None \
+            else statistics_clock
+        row[_LOGS:_LOGS + len(keys)] = [values[k] for k in keys]
+        means = self.worker_mean.mean(
             row, key=float(zlib.crc32("\0".join(keys).encode())),
             mismatch=f"the workers' epoch logs have different keys (this "
                      f"worker: {keys}): give every worker the same metrics "
                      f"and validation settings",
             what="averaging the epoch logs")
         for i, key in enumerate(keys):
-            flat[key] = float(means[i])
+            flat[key] = float(means[_LOGS + i])
         logs.clear()
         logs.update(flat)

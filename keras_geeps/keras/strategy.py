@@ -95,8 +95,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             reads of a small table; under SSP the slack is spent there)
             and needs epoch ends that line up across workers
             (`keras/epoch_logs.py`): a worker that rejoined a job under
-            way (`client.rejoined_at`) is warned at the start of its
-            `fit`. Defaults to True.
+            way (`client.rejoined_at`) lines up with the others' epochs at
+            the start of its `fit` (`keras/rejoin.py`; it warns where it
+            cannot). Defaults to True.
         average_non_trainable: at every epoch end of `fit` (before the
             callbacks, or before the validation when it validates),
             replace the model's non-trainable statistics

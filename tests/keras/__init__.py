@@ -11,15 +11,18 @@ def regression_data(rows):
     return x, y
 
 
-def small_model(strategy):
+def small_model(strategy, name=None):
     """A seeded 5 -> 3 -> 2 Dense model (layers "a", "b"), SGD(0.1) on
-    mse, built and compiled in `strategy`'s scope, without XLA."""
+    mse, built and compiled in `strategy`'s scope, without XLA. `name`:
+    the model's (its tables' prefix), Keras' own when None; workers in one
+    process need the same one."""
     import keras  # noqa: PLC0415 (TensorFlow's backend is set by then)
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((5,)),
                                   keras.layers.Dense(3, name="a"),
-                                  keras.layers.Dense(2, name="b")])
+                                  keras.layers.Dense(2, name="b")],
+                                 name=name)
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                       jit_compile=False)
     return model

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -95,6 +96,17 @@ class DieAt(AtBatch):
         os._exit(self.code)
 
 
+class Pace(keras.callbacks.Callback):
+    """Sleeps `seconds` after every train batch (a slower worker)."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds = seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(self.seconds)
+
+
 class KillShardAt(AtBatch):
     """SIGKILLs shard `shard` once, at batch `step` of epoch `epoch` (the
     launcher, with shard_restarts, starts it again with --restore)."""
@@ -135,6 +147,10 @@ def main():
                         help="EarlyStopping(patience=0) on val_loss")
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--die-worker", type=int, default=-1)
+    parser.add_argument("--die-at", default="0:3",
+                        help="EPOCH:BATCH where --die-worker exits (code 7)")
+    parser.add_argument("--pace", type=float, default=0.0,
+                        help="seconds every worker sleeps after each batch")
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--backup-dir", default="",
                         help="keras.callbacks.BackupAndRestore folder")
@@ -161,7 +177,10 @@ def main():
                       args.steps_per_execution, ema=args.ema)
     callbacks = strategy.callbacks()
     if w == args.die_worker:
-        callbacks.append(DieAt(3))
+        epoch, batch = map(int, args.die_at.split(":"))
+        callbacks.append(DieAt(batch, epoch))
+    if args.pace:
+        callbacks.append(Pace(args.pace))
     if args.backup_dir:
         callbacks.append(keras.callbacks.BackupAndRestore(
             os.path.join(args.backup_dir, f"worker{w}"), save_freq=4))
@@ -185,6 +204,7 @@ def main():
         strategy.distribute_dataset(ds), epochs=args.epochs, verbose=2,
         callbacks=callbacks, validation_data=validation)
     result = {"worker": w, "history": history.history,
+              "epochs_run": history.epoch,
               "stats": strategy.ps_stats(), "epoch_weight_sums": sums.sums,
               "final_weight_sum": weight_sum(model)}
     if args.validate:

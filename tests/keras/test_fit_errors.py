@@ -8,6 +8,7 @@ of `fit` as `tf.errors.UnknownError`.
 """
 
 import os
+import threading
 import time
 import warnings
 
@@ -169,42 +170,132 @@ def test_a_dataset_of_known_length_is_evened_out(thread_cluster):
             strategy.close()
 
 
-def test_a_worker_rejoining_a_job_under_way_is_warned_at_fit_start(
-        thread_cluster):
-    """Under on_worker_failure="continue", a worker the others went on
-    without learns at its HELLO the clock it rejoined at, and its `fit`
-    warns that the epoch-end averaging lines up with the others' only if
-    its epochs start where theirs do."""
-    cluster = thread_cluster(1, 2, settings=ShardSettings(
-        worker_timeout=1, on_worker_failure="continue"))
+def _rejoin_after(cluster, steps_before):
+    """Worker 0 runs `steps_before(first, model)` while worker 1, silent,
+    is declared dead; then worker 1 comes back. Returns (first, again):
+    worker 0's and the rejoined worker 1's strategies, each with a model
+    named "m" as `.model`."""
     first = GeePSStrategy(client=cluster.client(0, timeout=30,
                                                 heartbeat_interval=0.2))
     silent = cluster.client(1, timeout=30, heartbeat_interval=0)
     assert silent.rejoined_at is None  # a first HELLO joins, not rejoins
-    again = None
+    first.model = small_model(first, name="m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # worker 0 never rejoined
+        # Its second step waits until worker 1 is declared dead.
+        steps_before(first, first.model)
+    silent.close()
+    again = GeePSStrategy(client=cluster.client(1, timeout=30,
+                                                heartbeat_interval=0.2))
+    again.model = small_model(again, name="m")
+    return first, again
+
+
+def test_a_worker_rejoining_at_an_epoch_start_starts_at_the_others_epoch(
+        thread_cluster):
+    """Under on_worker_failure="continue", a worker the others went on
+    without learns at its HELLO the clock it rejoined at; rejoining where
+    the others' epoch starts, its `fit` starts at their epoch (the epoch
+    logs' barrier says which), with no warning."""
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=1, on_worker_failure="continue"))
+    x, y = regression_data(4 * BATCH)
+
+    def one_epoch(strategy, model):  # 4 steps, then the epoch-end barrier
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0, callbacks=strategy.callbacks())
+
+    first, again = _rejoin_after(cluster, one_epoch)
     try:
-        x, y = regression_data(4 * BATCH)
-        model = small_model(first)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # worker 0 never rejoined
-            # 4 steps: the second waits until worker 1 is declared dead.
-            model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
-                      verbose=0, callbacks=first.callbacks())
         assert first.parameter_sync.steps == 4
-        silent.close()
-        again = GeePSStrategy(client=cluster.client(1, timeout=30,
-                                                    heartbeat_interval=0.2))
         assert again.client.rejoined_at == 4  # the layers' tables' clock
-        rejoined = small_model(again)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            # epochs=1: the others finished epoch 0, so nothing is left.
+            history = again.model.fit(x, y, batch_size=BATCH, epochs=1,
+                                      verbose=0)
+        assert history.epoch == []
+        assert again.parameter_sync.clock == 4
+    finally:
+        again.close()
+        first.close()
+
+
+def test_a_worker_rejoining_mid_epoch_joins_the_others_next_epoch_end(
+        thread_cluster):
+    """Rejoining 2 steps into the others' 4-step epoch, a worker's `fit`
+    first clocks its tables to their epoch end (each clock as worker 0
+    steps), takes part in that end's barrier with no logs, and starts at
+    the next epoch, whose end it then averages with worker 0."""
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=1, on_worker_failure="continue"))
+    x, y = regression_data(4 * BATCH)
+
+    def epoch_and_a_half(strategy, model):  # clocks 0-3, barrier, 4-5
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0, callbacks=strategy.callbacks())
+        for _ in range(2):
+            model.train_on_batch(x[:BATCH], y[:BATCH])
+
+    first, again = _rejoin_after(cluster, epoch_and_a_half)
+    logs_of_first = []
+
+    def worker_0_goes_on():  # as its fit would: epoch 1's rest, epoch 2
+        for epoch, steps in ((1, 2), (2, 4)):
+            for _ in range(steps):
+                first.model.train_on_batch(x[:BATCH], y[:BATCH])
+            logs = {"loss": 10.0 * epoch}
+            first.epoch_logs.average(logs, epoch=epoch,
+                                     clock=first.parameter_sync.clock)
+            logs_of_first.append(logs)
+
+    thread = threading.Thread(target=worker_0_goes_on)
+    try:
+        assert again.client.rejoined_at == 6
+        thread.start()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            history = again.model.fit(x, y, batch_size=BATCH, epochs=3,
+                                      shuffle=False, verbose=0)
+        thread.join(60)
+        assert not thread.is_alive()
+        assert history.epoch == [2]
+        assert again.model._initial_epoch is None  # a later fit: its own
+        assert again.parameter_sync.clock == first.parameter_sync.clock == 12
+        # Epoch 1's barrier: worker 0 alone; epoch 2's: both, averaged.
+        assert logs_of_first[0] == {"loss": 10.0}
+        assert logs_of_first[1]["loss"] == history.history["loss"][0]
+        assert logs_of_first[1]["loss"] != 20.0
+    finally:
+        thread.join(60)
+        again.close()
+        first.close()
+
+
+def test_a_worker_rejoining_before_any_epoch_end_is_warned(thread_cluster):
+    """With no epoch end yet there is nothing to read where the others'
+    epochs end: the rejoined worker's `fit` warns that its epoch ends line
+    up only if it starts where the others' epoch does."""
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=1, on_worker_failure="continue"))
+    x, y = regression_data(BATCH)
+
+    def two_steps(strategy, model):
+        for _ in range(2):
+            model.train_on_batch(x, y)
+
+    first, again = _rejoin_after(cluster, two_steps)
+    try:
+        assert again.client.rejoined_at == 2
         with pytest.warns(UserWarning, match=(
-                "worker 1 rejoined a job under way at clock 4: its epoch "
-                "ends line up with the other workers' only if")) as caught:
-            rejoined.fit(x, y, batch_size=BATCH, epochs=0, verbose=0)
+                "worker 1 rejoined a job under way at clock 2 but cannot "
+                "line up with the other workers' epochs \\(no epoch of the "
+                "others has ended yet\\)")) as caught:
+            again.model.fit(x, y, batch_size=BATCH, epochs=0, verbose=0)
         message = next(str(w.message) for w in caught
                        if "rejoined a job under way" in str(w.message))
         assert "average_epoch_logs=False, average_non_trainable=False" in \
             message
     finally:
-        if again is not None:
-            again.close()
+        again.close()
         first.close()

@@ -1,0 +1,181 @@
+"""A worker that rejoined a `model.fit` job under way lines up its epochs.
+
+Under `on_worker_failure="continue"` the other workers go on without a
+dead worker; a restarted one rejoins at the tables' current clock, most
+likely in the middle of the others' epoch. Its own `fit` would start a
+fresh epoch there, so its epoch ends, and with them the epoch-end
+barriers (the averaged logs, keras/epoch_logs.py; the BatchNorm
+statistics, keras/non_trainable.py), would fall where the others' do not.
+
+So at the start of its `fit` such a worker reads from the epoch logs'
+table where the others' last epoch ended (the epoch and the parameter
+tables' clock, which every barrier carries) and, with its own steps per
+epoch, where their current epoch ends. It clocks its parameter tables to
+there without updates, one clock at a time as the others step (so each wait
+is one of their steps, within the client's timeout), takes part in that
+epoch end's barriers with nothing of its own (`WorkerMean.skip`), and its
+`fit` starts at the next epoch. When the others are at the very start of
+an epoch it starts there instead. Either way every worker then ends its
+epochs, and the job, together, as Horovod's elastic workers join at the
+next commit. The rejoined worker's optimizer state starts anew (or from its
+`BackupAndRestore`), its data from the start of its part.
+
+Where the others' place cannot be read (no epoch has ended since the job
+started, the logs are not averaged, the steps per epoch are unknown, or the
+clocks do not fit), `fit` warns instead, as before, and starts where it
+stands.
+"""
+
+import logging
+import warnings
+import weakref
+
+log = logging.getLogger("keras_geeps.keras")
+
+# Clients whose worker has lined up (once per rejoin, not at every fit).
+_LINED_UP = weakref.WeakSet()
+
+
+def barrier_names(strategy):
+    """The epoch-end averaging the strategy does ("epoch_logs",
+    "non_trainable"): what needs epoch ends that line up."""
+    return [name for name in ("epoch_logs", "non_trainable")
+            if getattr(strategy, name, None) is not None]
+
+
+def line_up(strategy, model, steps_per_epoch):
+    """Brings a worker that rejoined a job under way to the others' epochs.
+
+    Called by `fit` (keras/_tf_hooks) at its start, before its first epoch.
+    A no-op unless the worker rejoined (`client.rejoined_at`) and the
+    strategy averages at epoch ends.
+
+    Args:
+        strategy: the `GeePSStrategy`.
+        model: the model being fit.
+        steps_per_epoch: this `fit`'s steps per epoch, or None if unknown.
+
+    Returns:
+        The epoch `fit` must start at, or None to start where it would.
+    """
+    client = getattr(strategy, "client", None)
+    rejoined_at = getattr(client, "rejoined_at", None)
+    barriers = barrier_names(strategy)
+    if rejoined_at is None or not barriers or client.num_workers == 1 \
+            or client in _LINED_UP:
+        return None
+    why = _why_not(strategy, model, steps_per_epoch)
+    if isinstance(why, str):
+        warnings.warn(
+            f"worker {client.worker_id} rejoined a job under way at clock "
+            f"{rejoined_at} but cannot line up with the other workers' "
+            f"epochs ({why}): its epoch ends line up with theirs only if "
+            f"this fit starts exactly where their epoch does; else the "
+            f"epoch-end averaging ({', '.join(barriers)}) waits for them "
+            f"until the timeout. Jobs whose workers may restart mid-way "
+            f"without that need GeePSStrategy(average_epoch_logs=False, "
+            f"average_non_trainable=False) on every worker", stacklevel=3)
+        _LINED_UP.add(client)
+        return None
+    tables, skips, epoch, end = why
+    now = min(table.clock for table in tables)
+    if now == end - steps_per_epoch:  # they are starting an epoch too
+        start = epoch + 1
+    else:
+        log.warning("worker %d: at clock %d, joins the other workers' "
+                    "epoch end at clock %d, then starts at epoch %d",
+                    client.worker_id, now, end, epoch + 2)
+        for _ in range(end - now):
+            client.clock(tables)
+            client.wait_fresh(tables[0])
+        for mean in skips:
+            mean.skip()
+        start = epoch + 2
+    _LINED_UP.add(client)
+    return start
+
+
+def _why_not(strategy, model, steps_per_epoch):
+    """What keeps this worker from lining up (a phrase), else (its
+    parameter tables, the `WorkerMean`s whose barrier at the others' next
+    epoch end it takes part in with nothing, the others' last epoch, the
+    clock their current epoch ends at). Makes its tables, in the others'
+    order."""
+    client = strategy.client
+    if strategy.epoch_logs is None:
+        return "its epoch logs are not averaged: GeePSStrategy(" \
+               "average_epoch_logs=True) carries where epochs end"
+    if not steps_per_epoch:
+        return "this fit's steps per epoch are unknown"
+    sync = strategy.parameter_sync
+    sync.build_pending()
+    tables = [layer.table for layer in sync.tables]
+    if not tables:
+        return "the model has no parameter tables yet"
+    # The barrier tables in the order the others created them (their ids):
+    # that order depends on where their fit averaged first.
+    means = {strategy.epoch_logs.worker_mean.name:
+             strategy.epoch_logs.worker_mean}
+    statistics = strategy.non_trainable.worker_mean(model) \
+        if strategy.non_trainable is not None else None
+    if statistics is not None:
+        means[statistics.name] = statistics
+    names = _table_names(client)
+    missing = [name for table_id, name in sorted(names.items())
+               if table_id >= len(client.tables) and name not in means]
+    if missing:
+        return f"the job holds tables this worker does not know: {missing}"
+    if strategy.epoch_logs.worker_mean.name not in names.values():
+        return "no epoch of the others has ended yet"
+    for _, name in sorted(names.items()):
+        if name in means:
+            means[name].table()
+    last = strategy.epoch_logs.last_epoch_end()
+    if last is None:
+        return "the last epoch end carries no epoch and clock"
+    end = last.clock + steps_per_epoch
+    now = min(table.clock for table in tables)
+    if not end - steps_per_epoch <= now <= end:
+        return (f"their last epoch ended at clock {last.clock} and this "
+                f"worker is at {now}: do all workers have {steps_per_epoch} "
+                f"steps per epoch?")
+    # The barriers of the epoch end it joins: the logs', and the
+    # statistics' unless the others took that one already (before their
+    # validation, when the job rejoined).
+    skips = [strategy.epoch_logs.worker_mean]
+    if statistics is not None and statistics.name in names.values() and \
+            statistics.table().clock == last.statistics_clock:
+        skips.append(statistics)
+    return tables, skips, last.epoch, end
+
+
+def statistics_clock_after(strategy, model, averaged):
+    """The clock the table of `model`'s statistics will have after this
+    epoch end's averaging (what the epoch logs' barrier carries for a
+    worker that rejoins: whether that barrier is still to come), or None
+    when they are not averaged.
+
+    Args:
+        strategy: the `GeePSStrategy`.
+        model: the model being fit.
+        averaged: whether this epoch end averaged them already (before
+            `fit`'s validation).
+    """
+    statistics = getattr(strategy, "non_trainable", None)
+    mean = statistics.worker_mean(model) if statistics is not None else None
+    if mean is None:
+        return None
+    try:
+        clock = strategy.client.table(mean.name).clock
+    except KeyError:  # (made at its first barrier: this one)
+        clock = 0
+    return clock if averaged else clock + 1
+
+
+def _table_names(client):
+    """Every table the shards hold: id -> name."""
+    names = {}
+    for stats in client.shard_stats():
+        for table_id, table in stats.get("tables", {}).items():
+            names[int(table_id)] = table["name"]
+    return names

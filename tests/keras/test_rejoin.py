@@ -1,0 +1,84 @@
+"""A worker restarted mid-`fit` lines up with the others' epochs.
+
+Under on_worker_failure="continue" the others go on without a dead worker;
+a restarted one rejoins mid-epoch, and its `fit` first clocks to the
+others' next epoch end (keras/rejoin.py), so the epoch-end barriers of the
+averaged logs and BatchNorm statistics line up and every worker ends
+together.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_geeps.launch import worker_env
+from keras_geeps.shard import ShardSettings
+
+pytestmark = pytest.mark.slow
+WORKER = [sys.executable, "-m", "tests.keras.fit_worker"]
+EPOCHS = 16
+
+
+def test_a_restarted_worker_lines_up_with_the_others_epochs(tmp_path,
+                                                           thread_cluster):
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=2, on_worker_failure="continue"))
+    # BatchNorm and validation: both barriers, the statistics' first (at
+    # validation), so the tables were made in that order too.
+    common = WORKER + ["--out", str(tmp_path), "--epochs", str(EPOCHS),
+                       "--pace", "0.05", "--batchnorm", "--validate",
+                       "--lr", "0.05"]
+    logs = {}
+
+    def start(w, extra=(), name=None):
+        log = open(tmp_path / f"{name or w}.log", "w")
+        logs[name or w] = log
+        return subprocess.Popen(common + list(extra), stdout=log,
+                                stderr=subprocess.STDOUT,
+                                env=worker_env(cluster.spec(w)))
+
+    def tail(name):
+        if not logs[name].closed:
+            logs[name].flush()
+        return (tmp_path / f"{name}.log").read_text()[-3000:]
+
+    first = start(0)
+    dying = start(1, ["--die-worker", "1", "--die-at", "1:5"], "1-dying")
+    try:
+        assert dying.wait(timeout=180) == 7, tail("1-dying")
+        again = start(1, name="1-again")
+        assert again.wait(timeout=240) == 0, tail("1-again")
+        assert first.wait(timeout=240) == 0, tail(0)
+    finally:
+        for process in (first, dying):
+            if process.poll() is None:
+                process.kill()
+        for log in logs.values():
+            log.close()
+
+    text = (tmp_path / "1-again.log").read_text()
+    assert "rejoined a job under way" in text
+    assert "cannot line up" not in text
+    results = [json.loads((tmp_path / f"worker{w}.json").read_text())
+               for w in range(2)]
+    assert results[0]["epochs_run"] == list(range(EPOCHS))
+    rejoined = results[1]["epochs_run"]
+    assert rejoined, "the rejoined worker's fit ran no epoch: too late"
+    assert 2 <= rejoined[0] < EPOCHS - 1, rejoined  # it came mid-run
+    assert rejoined == list(range(rejoined[0], EPOCHS))
+    # Its epoch ends fell on the others': the averaged logs of every epoch
+    # it ran are worker 0's (the same mean), and the steps match.
+    # (ps_* figures are each worker's own, added after the averaging.)
+    for key, values in results[1]["history"].items():
+        if not key.startswith("ps_"):
+            assert values == results[0]["history"][key][rejoined[0]:], key
+    assert results[0]["stats"]["clock"] == results[1]["stats"]["clock"]
+    # Both end with the shards' weights and the averaged statistics.
+    weights = [np.load(tmp_path / f"worker{w}.npz") for w in range(2)]
+    for name in weights[0].files:
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])
+    assert results[0]["history"]["val_loss"][-1] < \
+        results[0]["history"]["val_loss"][0]
