@@ -12,14 +12,16 @@ then hold the mean over the workers that took part (a dead worker, under
 `on_worker_failure="continue"`, is no longer counted).
 
 The table (`TABLE`, one per client, two rows of fixed width: room for
-`MAX_KEYS` numbers and the two below) is a `keras/worker_mean.WorkerMean`,
+`MAX_KEYS` numbers and four more) is a `keras/worker_mean.WorkerMean`,
 keyed by a hash of the logs' keys: workers whose logs have different keys
 get a clear error instead of a mean of unlike values, and a NaN or an
 infinity in one epoch does not poison the later ones. Each barrier also
-carries the epoch and the parameter tables' clock it was taken at, and the
-statistics table's clock after that epoch end (all alike on every worker),
-so that a worker that rejoins a job under way can read where the others'
-epochs end (`last_epoch_end`).
+carries the epoch and the parameter tables' clock it was taken at, the
+statistics table's clock after that epoch end, and its own number (all
+alike on every worker), so that a worker that rejoins a job under way can
+read where the others' epochs end (`last_epoch_end`; the number tells a
+row that holds that barrier alone from one that still holds an older one,
+left when worker 0, which zeroes the rows, missed a barrier).
 
 Epoch ends must line up across workers, as BSP `fit` needs anyway. A
 worker that restarts mid-job (`on_worker_failure="continue"`) and rejoins
@@ -36,9 +38,10 @@ from keras_geeps.errors import GeePSError
 from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE = "keras_geeps.epoch_logs"
-MAX_KEYS = 253
-# Before the logs' numbers: where the epoch ended (`EpochEnd`).
-_EPOCH, _CLOCK, _STATISTICS, _LOGS = 0, 1, 2, 3
+MAX_KEYS = 252
+# Before the logs' numbers: where the epoch ended (`EpochEnd`) and the
+# barrier's number (the table's clock it is taken at).
+_EPOCH, _CLOCK, _STATISTICS, _BARRIER, _LOGS = 0, 1, 2, 3, 4
 
 
 class EpochEnd(collections.namedtuple(
@@ -93,11 +96,13 @@ class EpochLogAverager:
         `keras/rejoin.py`).
 
         Returns:
-            An `EpochEnd`, or None when there was no barrier yet or it did
-            not say (`average` called without `epoch` and `clock`).
+            An `EpochEnd`, or None when there was no barrier yet, it did
+            not say (`average` called without `epoch` and `clock`), or its
+            row still holds an older barrier too (worker 0 missed one).
         """
         means = self.worker_mean.last()
-        if means is None or not np.all(np.isfinite(means[:_STATISTICS])):
+        if means is None or not np.all(np.isfinite(means[:_STATISTICS])) \
+                or means[_BARRIER] != self.worker_mean.table().clock - 1:
             return None
         statistics = means[_STATISTICS]
         return EpochEnd(int(round(means[_EPOCH])), int(round(means[_CLOCK])),
@@ -142,6 +147,7 @@ class EpochLogAverager:
         row[_CLOCK] = np.nan if clock is None else clock
         row[_STATISTICS] = np.nan if statistics_clock is None \
             else statistics_clock
+        row[_BARRIER] = self.worker_mean.table().clock
         row[_LOGS:_LOGS + len(keys)] = [values[k] for k in keys]
         means = self.worker_mean.mean(
             row, key=float(zlib.crc32("\0".join(keys).encode())),

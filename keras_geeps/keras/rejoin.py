@@ -21,9 +21,9 @@ next commit. The rejoined worker's optimizer state starts anew (or from its
 `BackupAndRestore`), its data from the start of its part.
 
 Where the others' place cannot be read (no epoch has ended since the job
-started, the logs are not averaged, the steps per epoch are unknown, or the
-clocks do not fit), `fit` warns instead, as before, and starts where it
-stands.
+started, the logs are not averaged, the steps per epoch are unknown, worker
+0 missed an epoch end while it was dead, or the clocks do not fit), `fit`
+warns instead, as before, and starts where it stands.
 """
 
 import logging
@@ -36,7 +36,7 @@ log = logging.getLogger("keras_geeps.keras")
 _LINED_UP = weakref.WeakSet()
 
 
-def barrier_names(strategy):
+def _barrier_names(strategy):
     """The epoch-end averaging the strategy does ("epoch_logs",
     "non_trainable"): what needs epoch ends that line up."""
     return [name for name in ("epoch_logs", "non_trainable")
@@ -60,7 +60,7 @@ def line_up(strategy, model, steps_per_epoch):
     """
     client = getattr(strategy, "client", None)
     rejoined_at = getattr(client, "rejoined_at", None)
-    barriers = barrier_names(strategy)
+    barriers = _barrier_names(strategy)
     if rejoined_at is None or not barriers or client.num_workers == 1 \
             or client in _LINED_UP:
         return None
@@ -132,7 +132,9 @@ def _why_not(strategy, model, steps_per_epoch):
             means[name].table()
     last = strategy.epoch_logs.last_epoch_end()
     if last is None:
-        return "the last epoch end carries no epoch and clock"
+        return ("the last epoch end cannot be read: it carries no epoch and "
+                "clock, or worker 0, which zeroes the barrier's rows, missed "
+                "one")
     end = last.clock + steps_per_epoch
     now = min(table.clock for table in tables)
     if not end - steps_per_epoch <= now <= end:

@@ -6,6 +6,7 @@ import pytest
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import epoch_logs
 from keras_geeps.keras.epoch_logs import EpochLogAverager
+from keras_geeps.shard import ShardSettings
 from tests.worker_threads import run_clients, run_worker_threads
 
 
@@ -139,3 +140,42 @@ def test_the_fit_hooks_wrap_the_catch_ups():
         method = getattr(callback_list, name)
         assert method.__code__.co_name == outer
         assert method.__wrapped__.__code__.co_name == "before"
+
+
+def test_the_last_epoch_end_is_read_only_from_a_row_of_that_barrier(
+        thread_cluster):
+    """A rejoining worker reads where the others' last epoch ended from
+    the last barrier's row: exact while worker 0 zeroed the rows, and None
+    (it cannot tell) once a barrier without worker 0 left an older
+    barrier's sums in the row."""
+    cluster = thread_cluster(1, 3, settings=ShardSettings(
+        worker_timeout=1, on_worker_failure="continue"))
+    # Worker 0 sends no heartbeats: silent between barriers, it is
+    # declared dead at the next one, which goes on without it.
+    clients = {0: cluster.client(0, timeout=20, heartbeat_interval=0)}
+    clients.update({w: cluster.client(w, timeout=20, heartbeat_interval=0.2)
+                    for w in (1, 2)})
+    spent = []
+
+    def barrier(epoch, workers):
+        def body(i):
+            EpochLogAverager(clients[workers[i]]).average(
+                {"loss": 1.0}, epoch=epoch, clock=10 * (epoch + 1))
+        _, errors = run_worker_threads(len(workers), body)
+        assert not errors, errors
+
+    def rejoin_worker_0():
+        spent.append(clients[0])
+        clients[0] = cluster.client(0, timeout=20, heartbeat_interval=0)
+        return EpochLogAverager(clients[0]).last_epoch_end()
+
+    try:
+        barrier(0, [0, 1, 2])
+        barrier(1, [1, 2])  # row 1 was zeroed at barrier 0: whole
+        assert rejoin_worker_0() == epoch_logs.EpochEnd(1, 20, None)
+        barrier(2, [1, 2])  # (the rejoined worker 0 is silent too)
+        barrier(3, [1, 2])  # row 1 holds barriers 1 and 3
+        assert rejoin_worker_0() is None
+    finally:
+        for client in spent + list(clients.values()):
+            client.close()
