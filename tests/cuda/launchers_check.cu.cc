@@ -390,6 +390,15 @@ void Bench() {
     geeps_gpu::ScatterAddRows(nullptr, geeps_gpu::kFloat32, table.ptr, rows,
                               width, didx.ptr, false, n, out.ptr);
   });
+  // The same rows as float16 and bfloat16 (half the bytes).
+  float scatter16[2];
+  for (int i = 0; i < 2; ++i) {
+    const DType d = i == 0 ? geeps_gpu::kFloat16 : geeps_gpu::kBFloat16;
+    scatter16[i] = Time([&] {
+      geeps_gpu::ScatterAddRows(nullptr, d, table.ptr, rows, width, didx.ptr,
+                                false, n, out.ptr);
+    });
+  }
   const float memcpy_ms = Time([&] {
     cudaMemcpyAsync(copy.ptr, out.ptr, moved, cudaMemcpyDeviceToDevice);
   });
@@ -433,6 +442,10 @@ void Bench() {
               gather, gbs(2, gather));
   std::printf("  %-26s %8.3f ms %8.1f GB/s\n", "scatter_add_rows", scatter,
               gbs(3, scatter));
+  std::printf("  %-26s %8.3f ms %8.1f GB/s\n", "scatter_add_rows f16",
+              scatter16[0], gbs(3, scatter16[0]) / 2);
+  std::printf("  %-26s %8.3f ms %8.1f GB/s\n", "scatter_add_rows bf16",
+              scatter16[1], gbs(3, scatter16[1]) / 2);
   std::printf("  %-26s %8.3f ms %8.1f GB/s\n", "pack (200 segments)", pack,
               gbs(2, pack));
   std::printf("  %-26s %8.3f ms %8.1f GB/s\n", "pack (odd sizes)", pack_odd,

@@ -98,6 +98,22 @@ __device__ inline void AtomicAddValue(__nv_bfloat16* a, __nv_bfloat16 v) {
 #endif
 }
 
+// Two 16-bit values in one vector atomic (each added and rounded alone, as
+// the scalar adds do): native for half2 on sm_60+, for bfloat162 on sm_80+;
+// before that, the bfloat16 pair takes the scalar compare-and-swap adds.
+__device__ inline void AtomicAddValue(__half2* a, __half2 v) {
+  atomicAdd(a, v);
+}
+__device__ inline void AtomicAddValue(__nv_bfloat162* a, __nv_bfloat162 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  atomicAdd(a, v);
+#else
+  __nv_bfloat16* pair = reinterpret_cast<__nv_bfloat16*>(a);
+  AtomicAddValue(pair, v.x);
+  AtomicAddValue(pair + 1, v.y);
+#endif
+}
+
 template <typename T, typename Index>
 __global__ void ScatterAddKernel(T* params, int64_t rows, int64_t width,
                                  const Index* __restrict__ indices, int64_t n,
@@ -166,21 +182,31 @@ template <typename Index>
 int ScatterAddDispatch(cudaStream_t stream, DType dtype, void* params,
                        int64_t rows, int64_t width, const Index* indices,
                        int64_t n, const void* updates) {
+  // Rows of whole, aligned vectors take one vector add per vector: float4
+  // for float32, pairs for the 16-bit types.
+  const uintptr_t align = reinterpret_cast<uintptr_t>(params) |
+                          reinterpret_cast<uintptr_t>(updates);
+  const bool pairs = width % 2 == 0 && align % 4 == 0;
   switch (dtype) {
     case kFloat32:
-      // Rows of whole, aligned float4s take one vector add per 16 bytes.
-      if (width % 4 == 0 && ((reinterpret_cast<uintptr_t>(params) |
-                              reinterpret_cast<uintptr_t>(updates)) %
-                             16) == 0) {
+      if (width % 4 == 0 && align % 16 == 0) {
         return LaunchScatterAdd<float4>(stream, params, rows, width / 4,
                                         indices, n, updates);
       }
       return LaunchScatterAdd<float>(stream, params, rows, width, indices, n,
                                      updates);
     case kFloat16:
+      if (pairs) {
+        return LaunchScatterAdd<__half2>(stream, params, rows, width / 2,
+                                         indices, n, updates);
+      }
       return LaunchScatterAdd<__half>(stream, params, rows, width, indices, n,
                                       updates);
     case kBFloat16:
+      if (pairs) {
+        return LaunchScatterAdd<__nv_bfloat162>(stream, params, rows,
+                                                width / 2, indices, n, updates);
+      }
       return LaunchScatterAdd<__nv_bfloat16>(stream, params, rows, width,
                                              indices, n, updates);
     case kFloat64:
