@@ -36,6 +36,10 @@ log = logging.getLogger("keras_geeps.keras")
 _LINED_UP = weakref.WeakSet()
 
 
+class _CannotLineUp(Exception):
+    """Why this worker cannot tell where the others' epochs end."""
+
+
 def _barrier_names(strategy):
     """The epoch-end averaging the strategy does ("epoch_logs",
     "non_trainable"): what needs epoch ends that line up."""
@@ -64,8 +68,9 @@ def line_up(strategy, model, steps_per_epoch):
     if rejoined_at is None or not barriers or client.num_workers == 1 \
             or client in _LINED_UP:
         return None
-    why = _why_not(strategy, model, steps_per_epoch)
-    if isinstance(why, str):
+    try:
+        skips, epoch, end = _plan(strategy, model, steps_per_epoch)
+    except _CannotLineUp as why:
         warnings.warn(
             f"worker {client.worker_id} rejoined a job under way at clock "
             f"{rejoined_at} but cannot line up with the other workers' "
@@ -77,8 +82,9 @@ def line_up(strategy, model, steps_per_epoch):
             f"average_non_trainable=False) on every worker", stacklevel=3)
         _LINED_UP.add(client)
         return None
-    tables, skips, epoch, end = why
-    now = min(table.clock for table in tables)
+    sync = strategy.parameter_sync
+    tables = [layer.table for layer in sync.tables]
+    now = sync.clock
     if now == end - steps_per_epoch:  # they are starting an epoch too
         start = epoch + 1
     else:
@@ -95,23 +101,26 @@ def line_up(strategy, model, steps_per_epoch):
     return start
 
 
-def _why_not(strategy, model, steps_per_epoch):
-    """What keeps this worker from lining up (a phrase), else (its
-    parameter tables, the `WorkerMean`s whose barrier at the others' next
-    epoch end it takes part in with nothing, the others' last epoch, the
-    clock their current epoch ends at). Makes its tables, in the others'
-    order."""
+def _plan(strategy, model, steps_per_epoch):
+    """Makes this worker's tables, in the others' order, and returns (the
+    `WorkerMean`s whose barrier at the others' next epoch end it takes
+    part in with nothing, the others' last epoch, the clock their current
+    epoch ends at).
+
+    Raises:
+        _CannotLineUp: saying why.
+    """
     client = strategy.client
     if strategy.epoch_logs is None:
-        return "its epoch logs are not averaged: GeePSStrategy(" \
-               "average_epoch_logs=True) carries where epochs end"
+        raise _CannotLineUp("its epoch logs are not averaged: GeePSStrategy("
+                            "average_epoch_logs=True) carries where epochs "
+                            "end")
     if not steps_per_epoch:
-        return "this fit's steps per epoch are unknown"
+        raise _CannotLineUp("this fit's steps per epoch are unknown")
     sync = strategy.parameter_sync
     sync.build_pending()
-    tables = [layer.table for layer in sync.tables]
-    if not tables:
-        return "the model has no parameter tables yet"
+    if not sync.tables:
+        raise _CannotLineUp("the model has no parameter tables yet")
     # The barrier tables in the order the others created them (their ids):
     # that order depends on where their fit averaged first.
     means = {strategy.epoch_logs.worker_mean.name:
@@ -124,23 +133,24 @@ def _why_not(strategy, model, steps_per_epoch):
     missing = [name for table_id, name in sorted(names.items())
                if table_id >= len(client.tables) and name not in means]
     if missing:
-        return f"the job holds tables this worker does not know: {missing}"
+        raise _CannotLineUp(f"the job holds tables this worker does not "
+                            f"know: {missing}")
     if strategy.epoch_logs.worker_mean.name not in names.values():
-        return "no epoch of the others has ended yet"
+        raise _CannotLineUp("no epoch of the others has ended yet")
     for _, name in sorted(names.items()):
         if name in means:
             means[name].table()
     last = strategy.epoch_logs.last_epoch_end()
     if last is None:
-        return ("the last epoch end cannot be read: it carries no epoch and "
-                "clock, or worker 0, which zeroes the barrier's rows, missed "
-                "one")
+        raise _CannotLineUp("the last epoch end cannot be read: it carries "
+                            "no epoch and clock, or worker 0, which zeroes "
+                            "the barrier's rows, missed one")
     end = last.clock + steps_per_epoch
-    now = min(table.clock for table in tables)
-    if not end - steps_per_epoch <= now <= end:
-        return (f"their last epoch ended at clock {last.clock} and this "
-                f"worker is at {now}: do all workers have {steps_per_epoch} "
-                f"steps per epoch?")
+    if not end - steps_per_epoch <= sync.clock <= end:
+        raise _CannotLineUp(
+            f"their last epoch ended at clock {last.clock} and this worker "
+            f"is at {sync.clock}: do all workers have {steps_per_epoch} "
+            f"steps per epoch?")
     # The barriers of the epoch end it joins: the logs', and the
     # statistics' unless the others took that one already (before their
     # validation, when the job rejoined).
@@ -148,7 +158,7 @@ def _why_not(strategy, model, steps_per_epoch):
     if statistics is not None and statistics.name in names.values() and \
             statistics.table().clock == last.statistics_clock:
         skips.append(statistics)
-    return tables, skips, last.epoch, end
+    return skips, last.epoch, end
 
 
 def statistics_clock_after(strategy, model, averaged):
