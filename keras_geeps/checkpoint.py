@@ -12,9 +12,11 @@ an uncompressed numpy `.npz` archive with
 
 - `meta`: a uint8 array holding UTF-8 JSON: {"format": 1, "shard_id",
   "num_shards", "num_workers", "tables": {"<table id>": {"spec": {name,
-  rows, width, dtype, row_start, row_end}, "clock": C}}, "left": [worker
-  ids]} ("left": the workers whose client had closed, which a restored
-  shard does not wait to hear from; absent in older files: none);
+  rows, width, dtype, row_start, row_end[, per_clock: true]}, "clock":
+  C}}, "left": [worker ids]} ("left": the workers whose client had
+  closed, which a restored shard does not wait to hear from; absent in
+  older files: none; "per_clock": only for a per-clock table, see
+  `protocol.PER_CLOCK`);
 - `table_<id>`: the table's rows on this shard at clock C
   (row_end - row_start rows of `width` elements; bfloat16 stored as its
   uint16 bits).

@@ -143,11 +143,14 @@ _META_SCHEMA = {
     # without (declared dead, or restarted mid-clock under "continue") join
     # again: the highest clock of the shard's tables it joined at.
     # shm: the worker maps this shard's buffers (rows may come as refs).
+    # per_clock: the table's rows at each clock are the sums of that
+    # clock's updates alone (table_spec_problem).
     MsgType.CREATE: {"name": str, "rows": int, "width": int, "dtype": str,
-                     "row_start": int, "row_end": int, "chunk_row": int,
-                     "shm": bool},
+                     "row_start": int, "row_end": int, "per_clock": bool,
+                     "chunk_row": int, "shm": bool},
     MsgType.DECLARE: {"name": str, "rows": int, "width": int, "dtype": str,
-                      "row_start": int, "row_end": int, "shm": bool},
+                      "row_start": int, "row_end": int, "per_clock": bool,
+                      "shm": bool},
     MsgType.READ: {"shm": bool},
     # ref: [buffer id, fd, offset, nbytes] of the sender's shared buffer,
     # carried instead of a raw frame between co-located peers. lend: a ref
@@ -451,7 +454,22 @@ def aligned_empty(size, dtype=np.uint8, alignment=64):
 
 
 TABLE_SPEC_KEYS = ("name", "rows", "width", "dtype", "row_start", "row_end")
+# A spec's optional key: True for a per-clock table, whose rows at clock
+# c > 0 are the sums of the updates of clock c - 1 alone (zeros where
+# none came), not the running sum of every clock's: a barrier's sums that
+# need no zeroing (keras/worker_mean.py). Absent for the usual table.
+PER_CLOCK = "per_clock"
 MAX_NAME_CHARS = 1024  # the longest table name kept
+
+
+def table_spec(meta):
+    """The table spec a CREATE or DECLARE's `meta` carries (its values
+    unchecked: see `table_spec_problem`): `TABLE_SPEC_KEYS`, and
+    `PER_CLOCK` (True) only for a per-clock table."""
+    spec = {k: meta.get(k) for k in TABLE_SPEC_KEYS}
+    if meta.get(PER_CLOCK):
+        spec[PER_CLOCK] = True
+    return spec
 
 
 def table_spec_problem(table_id, spec):
@@ -461,7 +479,8 @@ def table_spec_problem(table_id, spec):
     Args:
         table_id: the table's id.
         spec: a dict of exactly `TABLE_SPEC_KEYS`: name (str), rows,
-            width, row_start and row_end (ints), dtype (a wire name).
+            width, row_start and row_end (ints), dtype (a wire name); and,
+            for a per-clock table, `PER_CLOCK`: True.
 
     Example:
 
@@ -469,9 +488,12 @@ def table_spec_problem(table_id, spec):
     ...     "dtype": "float32", "row_start": 0, "row_end": 5})
     'table 0: row range [0, 5) is not within [0, 4)'
     """
-    if not isinstance(spec, dict) or sorted(spec) != sorted(TABLE_SPEC_KEYS):
+    if not isinstance(spec, dict) or \
+            sorted(set(spec) - {PER_CLOCK}) != sorted(TABLE_SPEC_KEYS):
         return (f"table {table_id}: a spec has exactly "
-                f"{', '.join(TABLE_SPEC_KEYS)}")
+                f"{', '.join(TABLE_SPEC_KEYS)} (and {PER_CLOCK}, if true)")
+    if PER_CLOCK in spec and spec[PER_CLOCK] is not True:
+        return f"table {table_id}: {PER_CLOCK} is true where present"
     if isinstance(table_id, bool) or not isinstance(table_id, int) or \
             not 0 <= table_id <= _INT_MAX:
         return f"table id {table_id!r} is not an int >= 0"

@@ -187,6 +187,11 @@ class _Table:
         self.width = spec["width"]
         self.pool = None  # a _BufferPool, given by the server
         self.data = np.zeros((self.local_rows, self.width), self.dtype)
+        self.per_clock = bool(spec.get(protocol.PER_CLOCK))
+        # What a per-clock table's clocks start from: zeros, one row
+        # broadcast (read only, as every base is).
+        self.zeros = np.broadcast_to(np.zeros((1, self.width), self.dtype),
+                                     self.data.shape)
         self.initialised = np.zeros(self.local_rows, bool)
         self.ready = self.local_rows == 0
         self.vclock = np.zeros(num_workers, np.int64)
@@ -204,6 +209,12 @@ class _Table:
     @property
     def nbytes(self):
         return self.data.nbytes
+
+    def base_after(self, data):
+        """The rows the clock after rows `data` starts from, before its
+        updates: `data` itself, or zeros for a per-clock table (see
+        `protocol.PER_CLOCK`)."""
+        return self.zeros if self.per_clock else data
 
 
 class _Pending:
@@ -1176,7 +1187,7 @@ class ShardServer:
         return rows
 
     def _table_for(self, message):
-        spec = {k: message.meta.get(k) for k in protocol.TABLE_SPEC_KEYS}
+        spec = protocol.table_spec(message.meta)
         if any(v is None for v in spec.values()):
             raise RequestError(f"{message.type.name} needs name, rows, width, "
                                f"dtype, row_start and row_end")
@@ -1412,7 +1423,7 @@ class ShardServer:
             if clk not in table.pending:
                 self._check_room(table, clk, table.nbytes, table)
             pending = self._pending_for(
-                table, clk, table.data if table.ready and
+                table, clk, table.base_after(table.data) if table.ready and
                 clk == table.global_clock else None)
             if self._unopened is not None:  # one sealed frame: checked above
                 pending.add_sealed(update.row, arrays[0], self._unopened)
@@ -1524,6 +1535,7 @@ class ShardServer:
         `ShardSettings.lend_buffers`), or None."""
         if not (self.settings.lend_buffers and self.num_workers == 1
                 and not self.settings.checkpoint_every
+                and not table.per_clock  # (its rows are not rows + update)
                 and worker in self._shm_writers
                 and table.global_clock not in table.pending):
             return None
@@ -1581,7 +1593,8 @@ class ShardServer:
         if not table.ready:  # clocks wait for the initial rows
             return
         if table.held:
-            self._add_held(table, table.global_clock, table.data)
+            self._add_held(table, table.global_clock,
+                           table.base_after(table.data))
         new_global = int(table.vclock.min())
         if new_global > table.global_clock and new_global < DEAD_CLOCK:
             self._advance(table, new_global)
@@ -1591,11 +1604,13 @@ class ShardServer:
         data = table.data
         for clk in range(table.global_clock, new_global):
             if table.held:  # every worker finished clk: all of it is due
-                self._add_held(table, clk, data)
+                self._add_held(table, clk, table.base_after(data))
             pending = table.pending.pop(clk, None)
+            if pending is None and table.per_clock:  # no updates: zeros
+                pending = _Pending(table.pool.get(), table.zeros)
             if pending is not None:
                 if pending.base is None:
-                    pending.rebase(data)
+                    pending.rebase(table.base_after(data))
                 fresh = pending.complete()
                 self._retire(table, data)
                 data = fresh
@@ -1609,9 +1624,9 @@ class ShardServer:
         self._send_rows(table, subscribers, MsgType.PUSH, 0, data)
         waiting = table.pending.get(new_global)
         if waiting is not None:  # early (SSP) updates of the new clock
-            waiting.rebase(data)
+            waiting.rebase(table.base_after(data))
         if table.held:  # deterministic sums: early ones now in turn
-            self._add_held(table, new_global, data)
+            self._add_held(table, new_global, table.base_after(data))
         self.stats["pushes"] += 1
         self._serve_parked()
 
@@ -2021,6 +2036,7 @@ class ShardServer:
             tables[str(table.id)] = {
                 "name": table.spec["name"], "rows": table.local_rows,
                 "width": table.width, "dtype": table.dtype.name,
+                "per_clock": table.per_clock,
                 "ready": table.ready, "global_clock": table.global_clock,
                 "vclock": table.vclock.tolist(),
                 "pending_clocks": sorted(table.pending),

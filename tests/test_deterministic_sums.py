@@ -71,10 +71,10 @@ def _arrival(plan, seed):
 
 
 @contextlib.contextmanager
-def _shard(settings, base, workers=WORKERS):
+def _shard(settings, base, workers=WORKERS, spec=SPEC):
     """A thread shard and a raw peer per worker, each past its HELLO:
-    worker 0 created table 0 with rows `base`, the others declared it.
-    Yields (server, peers)."""
+    worker 0 created table 0 (`spec`) with rows `base`, the others
+    declared it. Yields (server, peers)."""
     server = ShardServer("tcp://127.0.0.1:0", 0, 1, workers, settings).start()
     peers = [RawPeer(server.address, w) for w in range(workers)]
     try:
@@ -83,9 +83,9 @@ def _shard(settings, base, workers=WORKERS):
                 "num_workers": workers, "num_shards": 1,
                 "incarnation": 1}).type == MsgType.WELCOME
         assert peers[0].ask(MsgType.CREATE, table=0, arrays=[base],
-                            meta=dict(SPEC, chunk_row=0)).type == MsgType.ACK
+                            meta=dict(spec, chunk_row=0)).type == MsgType.ACK
         for p in peers[1:]:
-            assert p.ask(MsgType.DECLARE, table=0, meta=SPEC).type == \
+            assert p.ask(MsgType.DECLARE, table=0, meta=spec).type == \
                 MsgType.ACK
         yield server, peers
     finally:
@@ -94,10 +94,10 @@ def _shard(settings, base, workers=WORKERS):
         server.stop()
 
 
-def _run(settings, base, events):
+def _run(settings, base, events, spec=SPEC):
     """Drives a 3-worker shard through `events`; returns the final rows and
     the shard's stats."""
-    with _shard(settings, base) as (server, peers):
+    with _shard(settings, base, spec=spec) as (server, peers):
         for worker, clk, update in events:
             p = peers[worker]
             if update is None:
@@ -128,6 +128,19 @@ def test_updates_are_added_in_worker_order_whatever_their_arrival(order):
     assert table["global_clock"] == CLOCKS and table["held_updates"] == 0
     assert table["pending_clocks"] == []
     assert stats["updates_applied"] == CLOCKS * WORKERS * 3
+
+
+@pytest.mark.parametrize("order", [1, 2])
+def test_a_per_clock_tables_clock_sums_its_updates_alone_in_worker_order(
+        order):
+    """A per-clock table (`protocol.PER_CLOCK`): early updates wait as
+    deltas, held ones go in on zeros, not on the clock before's rows."""
+    plan = _updates(seed=7)
+    base = np.full(SHAPE, 1.5, np.float32)
+    rows, _ = _run(ShardSettings(deterministic_sums=True), base,
+                   _arrival(plan, seed=order), dict(SPEC, per_clock=True))
+    np.testing.assert_array_equal(
+        rows, _expected(np.zeros(SHAPE, np.float32), plan[-1:]))
 
 
 def test_the_updates_are_order_sensitive_without_the_setting():

@@ -189,17 +189,20 @@ class Table:
         name: the table's name.
         rows, width, dtype: its shape and element type.
         parts: [(shard, row_start, row_end)], its placement on the shards.
+        per_clock: whether its rows at each clock are the sums of the
+            clock before's updates alone (`GeePSClient.create_table`).
         clock: this worker's current clock of the table.
     """
 
     def __init__(self, table_id, name, rows, width, dtype, parts,
-                 read_my_writes):
+                 read_my_writes, per_clock=False):
         self.id = table_id
         self.name = name
         self.rows = rows
         self.width = width
         self.dtype = dtype
         self.parts = parts
+        self.per_clock = per_clock
         self.part_of = {(shard, start): i
                         for i, (shard, start, _) in enumerate(parts)}
         # The rows of each shard part. A push is collected chunk by chunk
@@ -247,6 +250,17 @@ class Table:
     def data_age(self):
         """Clocks reflected by the cached rows (-1: none arrived yet)."""
         return int(self.ages.min()) if len(self.ages) else 0
+
+    def spec_meta(self, part):
+        """The table spec a CREATE or DECLARE of `part` carries
+        (`protocol.table_spec`)."""
+        _, start, end = self.parts[part]
+        meta = {"name": self.name, "rows": self.rows, "width": self.width,
+                "dtype": self.dtype.name, "row_start": start,
+                "row_end": end}
+        if self.per_clock:
+            meta[protocol.PER_CLOCK] = True
+        return meta
 
     def __repr__(self):
         return (f"Table({self.id}, {self.name!r}, {self.rows}x{self.width} "
@@ -692,7 +706,8 @@ class GeePSClient:
         return GeePSError(f"worker {self.worker_id}: {CLOSED}")
 
     # ----------------------------------------------------------- tables
-    def create_table(self, name, rows, width, dtype="float32", init=None):
+    def create_table(self, name, rows, width, dtype="float32", init=None,
+                     per_clock=False):
         """Creates (worker 0) or declares (other workers) a table.
 
         Every worker must create the same tables in the same order: that is
@@ -708,9 +723,25 @@ class GeePSClient:
             init: initial values, shape (rows, width) or any shape with
                 rows * width elements; zeros when None. Used on the
                 initializer only.
+            per_clock: if True, the rows at each clock c > 0 are the sums
+                of the updates of clock c - 1 alone (zeros where none
+                came), not of every clock's so far: what every worker
+                added at a barrier, with no zeroing to leave to anyone (a
+                worker that dies cannot leave stale sums behind). Such a
+                table ignores `read_my_writes`. Defaults to False.
 
         Returns:
             The `Table`.
+
+        Example:
+
+        ```python
+        table = client.create_table("counts", 1, 3, dtype="float64",
+                                    per_clock=True)
+        client.update(table, np.ones((1, 3)))
+        client.clock([table])
+        client.read(table, clock=1 + client.slack)  # [[W, W, W]]: W workers
+        ```
         """
         self._raise_async_errors()
         if name in self._by_name:
@@ -726,16 +757,14 @@ class GeePSClient:
                              f"({self.max_frame_bytes}); use narrower rows")
         parts = self._partitioner.place(rows, width * dtype.itemsize)
         table = Table(len(self._tables), name, rows, width, dtype, parts,
-                      self.read_my_writes)
+                      self.read_my_writes and not per_clock, bool(per_clock))
         creator = self.worker_id == self.initializer
         requests, request_parts = [], []
-        for part, (shard, start, end) in enumerate(parts):
-            meta = {"name": name, "rows": rows, "width": width,
-                    "dtype": dtype.name, "row_start": start, "row_end": end}
+        for part, (shard, _, _) in enumerate(parts):
             if not creator:
-                requests.append((shard, Message(MsgType.DECLARE, table.id,
-                                                meta=self._shm_meta(shard,
-                                                                    meta))))
+                requests.append((shard, Message(
+                    MsgType.DECLARE, table.id,
+                    meta=self._shm_meta(shard, table.spec_meta(part)))))
                 request_parts.append(part)
         if creator:
             if init is not None:
@@ -795,9 +824,7 @@ class GeePSClient:
         for c0, c1 in protocol.row_chunks(end - start, table.width,
                                           table.dtype.itemsize,
                                           self.chunk_bytes):
-            meta = {"name": table.name, "rows": table.rows,
-                    "width": table.width, "dtype": table.dtype.name,
-                    "row_start": start, "row_end": end, "chunk_row": c0}
+            meta = dict(table.spec_meta(part), chunk_row=c0)
             messages.append(Message(
                 MsgType.CREATE, table.id,
                 arrays=[initial[c0:c1]] if c1 > c0 else [],
@@ -1220,13 +1247,9 @@ class GeePSClient:
     def _declare_message(self, shard, table, part):
         """A DECLARE of `table`'s `part` on `shard` (numbered): the shard
         answers with the table's clocks and pushes the part's rows."""
-        _, start, end = table.parts[part]
         return Message(MsgType.DECLARE, table.id, worker=self.worker_id,
                        seq=self._next_seq(shard),
-                       meta=self._shm_meta(shard, {
-                           "name": table.name, "rows": table.rows,
-                           "width": table.width, "dtype": table.dtype.name,
-                           "row_start": start, "row_end": end}))
+                       meta=self._shm_meta(shard, table.spec_meta(part)))
 
     def _retry_unanswered_recoveries(self):
         """Says HELLO again where a recovery's HELLO went unanswered for
