@@ -11,17 +11,16 @@ and reads it at exactly that clock (a barrier at every epoch end); the logs
 then hold the mean over the workers that took part (a dead worker, under
 `on_worker_failure="continue"`, is no longer counted).
 
-The table (`TABLE`, one per client, two rows of fixed width: room for
-`MAX_KEYS` numbers and four more) is a `keras/worker_mean.WorkerMean`,
+The table (`TABLE`, one per client, one per-clock row of fixed width: room
+for `MAX_KEYS` numbers and four more) is a `keras/worker_mean.WorkerMean`,
 keyed by a hash of the logs' keys: workers whose logs have different keys
 get a clear error instead of a mean of unlike values, and a NaN or an
 infinity in one epoch does not poison the later ones. Each barrier also
 carries the epoch and the parameter tables' clock it was taken at, the
 statistics table's clock after that epoch end, and its own number (all
 alike on every worker), so that a worker that rejoins a job under way can
-read where the others' epochs end (`last_epoch_end`; the number tells a
-row that holds that barrier alone from one that still holds an older one,
-left when worker 0, which zeroes the rows, missed a barrier).
+read where the others' epochs end (`last_epoch_end`, which also checks that
+the row it reads is the last barrier's).
 
 Epoch ends must line up across workers, as BSP `fit` needs anyway. A
 worker that restarts mid-job (`on_worker_failure="continue"`) and rejoins
@@ -96,14 +95,22 @@ class EpochLogAverager:
         `keras/rejoin.py`).
 
         Returns:
-            An `EpochEnd`, or None when there was no barrier yet, it did
-            not say (`average` called without `epoch` and `clock`), or its
-            row still holds an older barrier too (worker 0 missed one).
+            An `EpochEnd`, or None when there was no barrier yet, or it did
+            not say (`average` called without `epoch` and `clock`).
+
+        Raises:
+            GeePSError: the row read is not the last barrier's (its number
+                is not the one before the table's clock).
         """
         means = self.worker_mean.last()
-        if means is None or not np.all(np.isfinite(means[:_STATISTICS])) \
-                or means[_BARRIER] != self.worker_mean.table().clock - 1:
+        if means is None or not np.all(np.isfinite(means[:_CLOCK + 1])):
             return None
+        barrier = self.worker_mean.table().clock - 1
+        if means[_BARRIER] != barrier:
+            raise GeePSError(
+                f"the epoch logs' table at clock {barrier + 1} holds the "
+                f"sums of barrier {means[_BARRIER]:g}, not of {barrier}: "
+                f"were its rows restored from another job's checkpoint?")
         statistics = means[_STATISTICS]
         return EpochEnd(int(round(means[_EPOCH])), int(round(means[_CLOCK])),
                         int(round(statistics)) if np.isfinite(statistics)

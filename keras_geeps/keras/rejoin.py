@@ -21,9 +21,11 @@ next commit. The rejoined worker's optimizer state starts anew (or from its
 `BackupAndRestore`), its data from the start of its part.
 
 Where the others' place cannot be read (no epoch has ended since the job
-started, the logs are not averaged, the steps per epoch are unknown, worker
-0 missed an epoch end while it was dead, or the clocks do not fit), `fit`
-warns instead, as before, and starts where it stands.
+started, the logs are not averaged, the steps per epoch are unknown, or the
+clocks do not fit), `fit` warns instead, as before, and starts where it
+stands. Any worker can rejoin so, worker 0 too, however many epoch ends it
+missed: the barriers' tables are per-clock (keras/worker_mean.py), so the
+last barrier's row holds its sums alone.
 """
 
 import logging
@@ -142,9 +144,7 @@ def _plan(strategy, model, steps_per_epoch):
             means[name].table()
     last = strategy.epoch_logs.last_epoch_end()
     if last is None:
-        raise _CannotLineUp("the last epoch end cannot be read: it carries "
-                            "no epoch and clock, or worker 0, which zeroes "
-                            "the barrier's rows, missed one")
+        raise _CannotLineUp("the last epoch end carries no epoch and clock")
     end = last.clock + steps_per_epoch
     if not end - steps_per_epoch <= sync.clock <= end:
         raise _CannotLineUp(

@@ -4,22 +4,20 @@
 at every epoch end: the epoch's logs (`keras/epoch_logs.py`) and the
 non-trainable statistics, such as BatchNorm's moving mean and variance
 (`keras/non_trainable.py`). Both go through a `WorkerMean`: every worker
-adds its numbers to one float64 row of a two-row table, clocks it and reads
-it at exactly that clock (a barrier); the row's change over the clock is
-the sum over the workers that took part (a dead worker, under
-`on_worker_failure="continue"`, no longer counts).
+adds its numbers to the one float64 row of a per-clock table
+(`GeePSClient.create_table(per_clock=True)`), clocks it and reads it at
+exactly that clock (a barrier); the row there is the sum over the workers
+that took part (a dead worker, under `on_worker_failure="continue"`, no
+longer counts), and nothing else: the shards start each clock's row from
+zeros, so no worker has to zero it, and a barrier that a worker missed
+(dead, or restarted) leaves nothing behind in later ones.
 
-A row holds a count and a key (a hash saying what the numbers mean: workers
-whose keys differ get a clear error instead of a mean of unlike values),
-then per value its finite part and how many workers sent NaN, +inf and
--inf. Non-finite values never enter the table, so one NaN cannot poison
-later barriers, and while row c % 2 takes the numbers of barrier c, worker
-0 subtracts the other row's contents from it (x - x is exactly 0): every
-barrier starts from a zero row, so a huge value at one costs the next ones
-no precision. (Without a live worker 0 the change is still exact in its
-counts, and its values lose only what float64 loses next to the
-leftovers.) A mean of equal values is that value exactly (the float64 sum
-of up to 2**29 equal float32 values is exact).
+The row holds a count and a key (a hash saying what the numbers mean:
+workers whose keys differ get a clear error instead of a mean of unlike
+values), then per value its finite part and how many workers sent NaN,
++inf and -inf. Non-finite values never enter the table, so one NaN cannot
+poison later barriers. A mean of equal values is that value exactly (the
+float64 sum of up to 2**29 equal float32 values is exact).
 """
 
 import numpy as np
@@ -68,12 +66,14 @@ class WorkerMean:
         try:
             table = self.client.table(self.name)
         except KeyError:
-            return self.client.create_table(self.name, 2, self.width,
-                                            dtype="float64")
-        if (table.rows, table.width) != (2, self.width):
+            return self.client.create_table(self.name, 1, self.width,
+                                            dtype="float64", per_clock=True)
+        if (table.rows, table.width, table.per_clock) != (1, self.width,
+                                                          True):
             raise GeePSError(
-                f"table {self.name!r} is {table.rows} x {table.width}, not "
-                f"the 2 x {self.width} of a mean of {self.size} values")
+                f"table {self.name!r} is {table.rows} x {table.width}"
+                f"{' per clock' if table.per_clock else ''}, not the "
+                f"per-clock 1 x {self.width} of a mean of {self.size} values")
         return table
 
     def mean(self, values, key, mismatch, what="averaging"):
@@ -112,35 +112,29 @@ class WorkerMean:
     def _mean(self, values, key, mismatch):
         table = self.table()
         client = self.client
-        clock, slack = table.clock, client.slack
-        write = clock % 2
-        # At exactly this clock and the next: no worker can be past the
-        # clock this one is at, so the rows are those of the clock.
-        rows_before = client.read(table, clock=clock + slack)
-        before = rows_before[write]
-        rows = np.zeros((2, self.width))
-        rows[write, 0], rows[write, 1] = 1.0, key
-        per_value = rows[write, _HEAD:].reshape(self.size, _PER_VALUE)
+        clock = table.clock
+        row = np.zeros((1, self.width))
+        row[0, 0], row[0, 1] = 1.0, key
+        per_value = row[0, _HEAD:].reshape(self.size, _PER_VALUE)
         finite = np.isfinite(values)
         per_value[:, 0] = np.where(finite, values, 0.0)
         per_value[:, 1] = np.isnan(values)
         per_value[:, 2] = values == np.inf
         per_value[:, 3] = values == -np.inf
-        if client.worker_id == 0:  # the next barrier's row: to zero
-            rows[1 - write] = -rows_before[1 - write]
-        client.update(table, rows)
+        client.update(table, row)
         client.clock([table])
-        after = client.read(table, clock=clock + 1 + slack)[write]
-        change = after - before
-        count = int(round(change[0]))
-        if count < 1 or change[1] != count * key:
+        # At exactly the next clock: no worker can be past the clock this
+        # one is at (each takes every barrier), so the row is this one's.
+        sums = client.read(table, clock=clock + 1 + client.slack)[0]
+        count = int(round(sums[0]))
+        if count < 1 or sums[1] != count * key:
             raise GeePSError(mismatch)
-        return self._means(change, count)
+        return self._means(sums, count)
 
-    def _means(self, change, count):
-        """The means of a barrier's sums (`change`: a row's worth) over
-        `count` workers, non-finite values as `mean` returns them."""
-        per_value = change[_HEAD:].reshape(self.size, _PER_VALUE)
+    def _means(self, sums, count):
+        """The means of a barrier's sums (its row) over `count` workers,
+        non-finite values as `mean` returns them."""
+        per_value = sums[_HEAD:].reshape(self.size, _PER_VALUE)
         nan, pos, neg = (np.round(per_value[:, i]) > 0 for i in (1, 2, 3))
         means = per_value[:, 0] / count
         means[pos] = np.inf
@@ -154,8 +148,8 @@ class WorkerMean:
         that rejoined a job under way reads to learn where the others are.
 
         Reads the table at this worker's clock of it (its clock is the
-        barrier it would join next), so the row of the last barrier is
-        still whole: worker 0 zeroes it only at that next barrier.
+        barrier it would join next): the row there holds the last
+        barrier's sums alone.
 
         Returns:
             A float64 array of `size`, or None before the first barrier.
@@ -164,22 +158,12 @@ class WorkerMean:
         clock = table.clock
         if clock == 0:
             return None
-        rows = self.client.read(table, clock=clock + self.client.slack)
-        last = rows[(clock - 1) % 2]
+        last = self.client.read(table, clock=clock + self.client.slack)[0]
         count = int(round(last[0]))
         return self._means(last, count) if count >= 1 else None
 
     def skip(self):
         """Takes part in this worker's next barrier with no values: the
         others' mean there does not count this worker, which does not wait
-        for it either (it clocks the table and returns). Worker 0 still
-        zeroes the next barrier's row, as in `mean`."""
-        table = self.table()
-        client = self.client
-        if client.worker_id == 0:
-            write = table.clock % 2
-            rows_before = client.read(table, clock=table.clock + client.slack)
-            rows = np.zeros((2, self.width))
-            rows[1 - write] = -rows_before[1 - write]
-            client.update(table, rows)
-        client.clock([table])
+        for it either (it clocks the table and returns)."""
+        self.client.clock([self.table()])

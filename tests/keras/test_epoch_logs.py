@@ -142,12 +142,12 @@ def test_the_fit_hooks_wrap_the_catch_ups():
         assert method.__wrapped__.__code__.co_name == "before"
 
 
-def test_the_last_epoch_end_is_read_only_from_a_row_of_that_barrier(
+def test_the_last_epoch_end_is_read_whatever_barriers_worker_0_missed(
         thread_cluster):
     """A rejoining worker reads where the others' last epoch ended from
-    the last barrier's row: exact while worker 0 zeroed the rows, and None
-    (it cannot tell) once a barrier without worker 0 left an older
-    barrier's sums in the row."""
+    the last barrier's row, which holds that barrier's sums alone: also
+    after barriers that worker 0 (once the one that zeroed the rows)
+    missed, one or several in a row."""
     cluster = thread_cluster(1, 3, settings=ShardSettings(
         worker_timeout=1, on_worker_failure="continue"))
     # Worker 0 sends no heartbeats: silent between barriers, it is
@@ -171,11 +171,13 @@ def test_the_last_epoch_end_is_read_only_from_a_row_of_that_barrier(
 
     try:
         barrier(0, [0, 1, 2])
-        barrier(1, [1, 2])  # row 1 was zeroed at barrier 0: whole
+        barrier(1, [1, 2])
         assert rejoin_worker_0() == epoch_logs.EpochEnd(1, 20, None)
         barrier(2, [1, 2])  # (the rejoined worker 0 is silent too)
-        barrier(3, [1, 2])  # row 1 holds barriers 1 and 3
-        assert rejoin_worker_0() is None
+        barrier(3, [1, 2])
+        assert rejoin_worker_0() == epoch_logs.EpochEnd(3, 40, None)
+        barrier(4, [0, 1, 2])  # and it takes part again
+        assert rejoin_worker_0() == epoch_logs.EpochEnd(4, 50, None)
     finally:
         for client in spent + list(clients.values()):
             client.close()

@@ -169,7 +169,8 @@ def test_a_wrong_number_of_values_is_refused(thread_cluster):
         # Another mean of that name but of other values (the table a
         # strategy sharing the client made) is refused, naming both.
         WorkerMean(client, "means", 2).mean([1, 2], 1.0, "no")
-        with pytest.raises(GeePSError, match="2 x 10, not the 2 x 14"):
+        with pytest.raises(GeePSError, match=(
+                "1 x 10 per clock, not the per-clock 1 x 14")):
             WorkerMean(client, "means", 3).mean([1, 2, 3], 1.0, "no")
 
 
