@@ -139,9 +139,10 @@ _META_SCHEMA = {
     # worker that says HELLO again tells a reconnect from a restart by it).
     # worker_timeout: > 0 when the shard declares workers silent that long
     # dead: a worker heartbeats well within it, and says LEAVE on close.
-    # rejoined_at: present when this HELLO made a worker the others went on
-    # without (declared dead, or restarted mid-clock under "continue") join
-    # again: the highest clock of the shard's tables it joined at.
+    # rejoined_at: present when this HELLO is a new process of a worker
+    # this shard knew (the others went on without it under "continue", or
+    # it restarted between clocks, taking its old process's place): the
+    # highest clock of the shard's tables it joined at.
     # shm: the worker maps this shard's buffers (rows may come as refs).
     # per_clock: the table's rows at each clock are the sums of that
     # clock's updates alone (table_spec_problem).

@@ -1995,14 +1995,15 @@ class ShardServer:
         "continue" the worker counts as dead and rejoins at once.
 
         Returns:
-            The clock it rejoined at (`_rejoin`), or None when it carries
-            on in its old process's place.
+            The clock it rejoined at (`_rejoin`), or, where it carries on
+            in its old process's place, the job's clock (`_job_clock`):
+            either way its WELCOME says it joins a job under way.
         """
         midway = [t for t in self._tables.values()
                   if t.vclock[worker] != t.global_clock
                   or t.updated[worker] >= t.vclock[worker]]
         if not midway:
-            return None
+            return self._job_clock()
         table = midway[0]
         self._worker_died(worker, (
             f"worker {worker} restarted (a new process) while clock "
@@ -2022,11 +2023,15 @@ class ShardServer:
         self._dead.discard(worker)
         for table in self._tables.values():
             table.vclock[worker] = table.global_clock
-        clock = max((int(t.global_clock) for t in self._tables.values()),
-                    default=0)
+        clock = self._job_clock()
         log.warning("shard %d: worker %d rejoined at clock %d",
                     self.shard_id, worker, clock)
         return clock
+
+    def _job_clock(self):
+        """The highest clock of this shard's tables (0 without tables)."""
+        return max((int(t.global_clock) for t in self._tables.values()),
+                   default=0)
 
     # ------------------------------------------------------------ stats
     def snapshot_stats(self):

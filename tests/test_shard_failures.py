@@ -144,6 +144,8 @@ def test_a_worker_restarted_between_clocks_carries_on(servers):
                                     clk=0).type == MsgType.ACK
     again = _restarted_worker0(server)
     try:
+        # (a new process all the same: its WELCOME says where it joins)
+        assert again.welcome.meta["rejoined_at"] == 1
         ack = again.ask_past_pushes(MsgType.DECLARE, table=0,
                                     meta=spec(4, 2))
         assert ack.meta["global_clock"] == 1

@@ -351,9 +351,10 @@ class GeePSClient:
         self.wait_seconds = 0.0
         self.bytes_delivered = 0  # rows put into waiting reads' buffers
         self.reconnects = 0  # broken connections to a live shard, resumed
-        # The clock (> 0) this worker rejoined a job under way at (a worker
-        # the others went on without: `on_worker_failure="continue"`), else
-        # None: set from the shards' first welcomes.
+        # The clock (> 0) this worker rejoined a job under way at (a new
+        # process of a worker its shards knew: one the others went on
+        # without under `on_worker_failure="continue"`, or one restarted
+        # between clocks), else None: set from the shards' first welcomes.
         self.rejoined_at = None
         self.access_plan = AccessPlan()
         self._clock_lock = threading.Lock()  # clock() vs a recovery replay

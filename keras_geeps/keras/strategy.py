@@ -91,9 +91,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             metrics) by its mean over the live workers, so that deciding
             callbacks (`EarlyStopping`, `ReduceLROnPlateau`,
             `ModelCheckpoint(save_best_only=True)`) decide alike on every
-            worker. Costs a barrier at every epoch end (a clock and two
-            reads of a small table; under SSP the slack is spent there)
-            and needs epoch ends that line up across workers
+            worker. Costs a barrier at every epoch end (a clock and one
+            read of a small per-clock table; under SSP the slack is spent
+            there) and needs epoch ends that line up across workers
             (`keras/epoch_logs.py`): a worker that rejoined a job under
             way (`client.rejoined_at`) lines up with the others' epochs at
             the start of its `fit` (`keras/rejoin.py`; it warns where it
