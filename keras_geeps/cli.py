@@ -21,9 +21,17 @@ def _cmd_launch(args):
         print("keras-geeps launch: give the worker command after --",
               file=sys.stderr)
         return 2
-    if args.checkpoint_every < 0 or args.shard_restarts < 0:
-        print("keras-geeps launch: --checkpoint-every and --shard-restarts "
-              "must be >= 0", file=sys.stderr)
+    if args.checkpoint_every < 0 or args.shard_restarts < 0 or \
+            args.worker_restarts < 0 or args.worker_timeout < 0:
+        print("keras-geeps launch: --checkpoint-every, --shard-restarts, "
+              "--worker-restarts and --worker-timeout must be >= 0",
+              file=sys.stderr)
+        return 2
+    if args.worker_restarts and not (args.worker_timeout > 0 and
+                                     args.on_worker_failure == "continue"):
+        print("keras-geeps launch: --worker-restarts needs --worker-timeout "
+              "S (> 0) and --on-worker-failure continue: the other workers "
+              "must go on without a worker that died", file=sys.stderr)
         return 2
     shard_args = []
     if args.checkpoint_dir:
@@ -37,6 +45,10 @@ def _cmd_launch(args):
         shard_args += ["--max-pending-clocks", str(args.max_pending_clocks)]
     if args.deterministic_sums:
         shard_args.append("--deterministic-sums")
+    if args.worker_timeout:
+        shard_args += ["--worker-timeout", str(args.worker_timeout)]
+    if args.on_worker_failure:
+        shard_args += ["--on-worker-failure", args.on_worker_failure]
     try:  # what every shard would refuse at start, said once here
         from keras_geeps.shard import ShardSettings  # noqa: PLC0415
         ShardSettings(checkpoint_dir=args.checkpoint_dir,
@@ -48,7 +60,8 @@ def _cmd_launch(args):
         return 2
     restarts = args.shard_restarts if args.checkpoint_every > 0 else 0
     return launch(command, num_workers=args.workers, num_shards=args.shards,
-                  shard_args=shard_args, shard_restarts=restarts)
+                  shard_args=shard_args, shard_restarts=restarts,
+                  worker_restarts=args.worker_restarts)
 
 
 def _ask_all(args, msg_type):
@@ -139,7 +152,9 @@ def build_parser():
         "launch", help="run S shards and N workers on this machine",
         usage="keras-geeps launch [--workers N] [--shards S] "
               "[--checkpoint-dir DIR --checkpoint-every K] "
-              "[--deterministic-sums] -- COMMAND ...")
+              "[--deterministic-sums] [--worker-timeout S "
+              "--on-worker-failure continue --worker-restarts R] "
+              "-- COMMAND ...")
     launch.add_argument("--workers", type=int, default=2)
     launch.add_argument("--shards", type=int, default=2)
     launch.add_argument("--checkpoint-dir", default=None,
@@ -157,6 +172,17 @@ def build_parser():
     launch.add_argument("--shard-restarts", type=int, default=3,
                         help="how many times in all dead shards are "
                              "started again (with --checkpoint-every > 0)")
+    launch.add_argument("--worker-timeout", type=float, default=0.0,
+                        help="the shards declare a worker silent S seconds "
+                             "dead (0: never)")
+    launch.add_argument("--on-worker-failure", default=None,
+                        choices=("stop", "continue"),
+                        help="what the shards do when a worker dies: stop "
+                             "the job (default) or continue without it")
+    launch.add_argument("--worker-restarts", type=int, default=0,
+                        help="how many times in all workers that fail are "
+                             "started again (with --on-worker-failure "
+                             "continue): each rejoins the job under way")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_cmd_launch)
 

@@ -310,7 +310,8 @@ def worker_env(spec, base=None, workers=None):
 
 
 def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
-           shard_args=(), poll_interval=0.1, shard_restarts=0):
+           shard_args=(), poll_interval=0.1, shard_restarts=0,
+           worker_restarts=0):
     """Runs `command` on `num_workers` local workers against local shards.
 
     Args:
@@ -327,6 +328,13 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
             then recover; it needs `--checkpoint-dir` and
             `--checkpoint-every` > 0 in `shard_args`). Defaults to 0: a
             dead shard stops the job.
+        worker_restarts: how many times in all a worker that exits with
+            an error (or is killed) is started again, with the same worker
+            id and environment: it rejoins the job at the tables' clock
+            (and `fit` lines up with the others' epochs). It needs
+            `--worker-timeout` > 0 and `--on-worker-failure continue` in
+            `shard_args`, so that the others go on without it meanwhile.
+            Defaults to 0: a failing worker stops the job.
 
     Returns:
         0 when every worker exits 0; otherwise the first failing worker's
@@ -341,6 +349,10 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                   shard_restarts=3)
     ```
     """
+    if worker_restarts > 0 and not _goes_on_without_workers(shard_args):
+        raise ValueError("worker_restarts needs --worker-timeout > 0 and "
+                         "--on-worker-failure continue in shard_args (the "
+                         "others must go on without a worker that died)")
     cluster = LocalCluster(num_shards, num_workers, processes=True,
                            output=output, shard_args=shard_args)
     workers, pumps = [], []
@@ -348,27 +360,40 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
     addresses = worker_addresses(num_workers)
     in_main = threading.current_thread() is threading.main_thread()
     saved = _stop_on_signals() if in_main else {}
+
+    def start_worker(worker_id):
+        process = subprocess.Popen(
+            command, env=worker_env(cluster.spec(worker_id),
+                                    workers=addresses),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            preexec_fn=_die_with_parent if in_main else None)
+        pump = threading.Thread(target=_pump, args=(
+            process.stdout, f"[worker {worker_id}] ", output), daemon=True)
+        pump.start()
+        pumps.append(pump)
+        return process
+
     try:
         for worker_id in range(num_workers):
-            process = subprocess.Popen(
-                command, env=worker_env(cluster.spec(worker_id),
-                                        workers=addresses),
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-                preexec_fn=_die_with_parent if in_main else None)
-            pump = threading.Thread(target=_pump, args=(
-                process.stdout, f"[worker {worker_id}] ", output), daemon=True)
-            pump.start()
-            workers.append(process)
-            pumps.append(pump)
+            workers.append(start_worker(worker_id))
         while failure is None:
             codes = [p.poll() for p in workers]
             for worker_id, code in enumerate(codes):
-                if code not in (None, 0):
-                    failure = (f"worker {worker_id} (pid "
-                               f"{workers[worker_id].pid}) exited with code "
-                               f"{code}", code if code > 0 else 1)
+                if code in (None, 0):
+                    continue
+                exited = (f"worker {worker_id} (pid {workers[worker_id].pid})"
+                          f" exited with code {code}")
+                if worker_restarts <= 0:
+                    failure = (exited, code if code > 0 else 1)
                     break
+                worker_restarts -= 1
+                _signal_group(workers[worker_id].pid, signal.SIGKILL)
+                _say(output, f"[launch] {exited}; starting it again "
+                             f"({worker_restarts} restarts left)")
+                workers[worker_id].wait()
+                workers[worker_id] = start_worker(worker_id)
+                codes[worker_id] = None
             if failure is None:
                 for index, shard in enumerate(cluster.shards):
                     if shard.process.poll() is None:
@@ -417,6 +442,19 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                      f"processes")
         return failure[1]
     return 0
+
+
+def _goes_on_without_workers(shard_args):
+    """Whether shards started with `shard_args` go on without a worker
+    that died (--worker-timeout > 0, --on-worker-failure continue)."""
+    from keras_geeps.shard import build_parser  # noqa: PLC0415
+    try:
+        args, _ = build_parser().parse_known_args(
+            ["--shard-id", "0", "--num-shards", "1", "--num-workers", "1",
+             *shard_args])
+    except SystemExit:
+        return False
+    return args.worker_timeout > 0 and args.on_worker_failure == "continue"
 
 
 class _Stopped(Exception):

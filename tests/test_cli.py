@@ -8,6 +8,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from keras_geeps.launch import launch
 
@@ -155,6 +156,53 @@ def test_launch_starts_a_killed_shard_again_and_loses_nothing(tmp_path):
     result = _cli("launch", *ckpt, "--max-pending-clocks", "69", "--",
                   "true")
     assert result.returncode == 0, result.stderr
+
+
+def test_launch_starts_a_failed_worker_again_and_it_rejoins(tmp_path):
+    """Worker 1 exits with code 3 after 5 clocks (its first run only):
+    `launch --worker-restarts 1` starts it again, its shards' WELCOME says
+    where it rejoins (whether they had declared it dead by then, or it
+    took its old process's place between clocks), it goes on from there,
+    and both end at clock 20 with every clock's updates counted once."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time, numpy as np\n"
+        "from keras_geeps.client import GeePSClient\n"
+        "c = GeePSClient(timeout=30, heartbeat_interval=0.1)\n"
+        "t = c.create_table('t', 2, 2)\n"
+        "print('start', c.worker_id, c.rejoined_at, t.clock, flush=True)\n"
+        "marker = os.path.join(sys.argv[1], 'died')\n"
+        "while t.clock < 20:\n"
+        "    c.read(t); c.update(t, np.ones((2, 2), np.float32)); c.clock()\n"
+        "    if c.worker_id == 1 and t.clock == 5 and \\\n"
+        "            not os.path.exists(marker):\n"
+        "        c.read(t, clock=5)  # (its 5th CLOCK went out)\n"
+        "        open(marker, 'w').close(); os._exit(3)\n"
+        "    time.sleep(0.05)\n"
+        "print('final', c.worker_id, c.read(t, clock=20)[0, 0], flush=True)\n")
+    result = _cli("launch", "--workers", "2", "--shards", "2",
+                  "--worker-timeout", "1", "--on-worker-failure", "continue",
+                  "--worker-restarts", "1", "--", sys.executable,
+                  str(script), str(tmp_path), timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "[launch] worker 1 (pid" in out
+    assert "exited with code 3; starting it again (0 restarts left)" in out
+    starts = [line.split()[-3:] for line in out.splitlines()
+              if "start 1" in line]
+    assert starts[0] == ["1", "None", "0"]
+    rejoined, clock = int(starts[1][1]), int(starts[1][2])
+    assert rejoined == clock >= 5, starts
+    # Worker 0's 20 clocks, worker 1's first 5 and those from its rejoin.
+    final = f"{20 + 5 + 20 - rejoined:.1f}"
+    assert out.count(f"final 0 {final}") == out.count(f"final 1 {final}") \
+        == 1, out
+    result = _cli("launch", "--worker-restarts", "1", "--", "true")
+    assert result.returncode == 2
+    assert "--worker-restarts needs --worker-timeout" in result.stderr
+    with pytest.raises(ValueError, match="worker_restarts needs"):
+        launch(["true"], worker_restarts=1, shard_args=[
+            "--worker-timeout", "5"])  # (stop: the default)
 
 
 def test_launch_passes_deterministic_sums_to_its_shards(tmp_path):

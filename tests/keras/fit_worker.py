@@ -176,7 +176,8 @@ def main():
         compile_model(model, args.optimizer, args.lr,
                       args.steps_per_execution, ema=args.ema)
     callbacks = strategy.callbacks()
-    if w == args.die_worker:
+    if w == args.die_worker and strategy.client.rejoined_at is None:
+        # (a process started again, which rejoins, does not die again)
         epoch, batch = map(int, args.die_at.split(":"))
         callbacks.append(DieAt(batch, epoch))
     if args.pace:

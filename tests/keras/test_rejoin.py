@@ -8,6 +8,7 @@ together.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +22,9 @@ from keras_geeps.shard import ShardSettings
 pytestmark = pytest.mark.slow
 WORKER = [sys.executable, "-m", "tests.keras.fit_worker"]
 EPOCHS = 16
+# BatchNorm and validation: both barriers, the statistics' first (at
+# validation), so the tables were made in that order too.
+FIT_ARGS = ["--pace", "0.05", "--batchnorm", "--validate", "--lr", "0.05"]
 
 
 @pytest.mark.parametrize("dies", [1, 0])
@@ -33,11 +37,8 @@ def test_a_restarted_worker_lines_up_with_the_others_epochs(tmp_path,
     lives = 1 - dies
     cluster = thread_cluster(1, 2, settings=ShardSettings(
         worker_timeout=2, on_worker_failure="continue"))
-    # BatchNorm and validation: both barriers, the statistics' first (at
-    # validation), so the tables were made in that order too.
     common = WORKER + ["--out", str(tmp_path), "--epochs", str(EPOCHS),
-                       "--pace", "0.05", "--batchnorm", "--validate",
-                       "--lr", "0.05"]
+                       *FIT_ARGS]
     logs = {}
 
     def start(w, extra=(), name=None):
@@ -75,18 +76,51 @@ def test_a_restarted_worker_lines_up_with_the_others_epochs(tmp_path,
         for log in logs.values():
             log.close()
 
-    text = (tmp_path / "again.log").read_text()
+    _assert_lined_up(tmp_path, lives, dies,
+                     (tmp_path / "again.log").read_text())
+
+
+@pytest.mark.parametrize("dies, worker_timeout", [(0, "2"), (1, "60")])
+def test_launch_starts_a_dead_worker_again_and_its_fit_lines_up(
+        tmp_path, dies, worker_timeout):
+    """`keras-geeps launch --worker-restarts` starts a worker that dies in
+    epoch 1 again, with 2 shards: it rejoins, lines up, and every worker
+    ends together. Worker 0 (the tables' creator) is declared dead first
+    (2 s); worker 1 comes back before its shards notice (60 s) and takes
+    its old process's place (it died between clocks), at the clock where
+    the others wait for it: its fit lines up all the same."""
+    epochs = 10
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_geeps", "launch", "--workers", "2",
+         "--shards", "2", "--worker-timeout", worker_timeout,
+         "--on-worker-failure", "continue", "--worker-restarts", "1", "--",
+         *WORKER, "--out", str(tmp_path), "--epochs", str(epochs),
+         *FIT_ARGS, "--die-worker", str(dies), "--die-at", "1:5"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:] + result.stderr[-3000:]
+    assert f"worker {dies} (pid" in out and "exited with code 7; " \
+        "starting it again (0 restarts left)" in out
+    declared_dead = f"worker {dies} sent nothing for" in out
+    assert declared_dead == (worker_timeout == "2"), out[-3000:]
+    _assert_lined_up(tmp_path, 1 - dies, dies, out, epochs)
+
+
+def _assert_lined_up(tmp_path, lives, dies, text, epochs=EPOCHS):
+    """Worker `dies` rejoined mid-run and ended its epochs with worker
+    `lives` (their fit_worker results), `text` its output."""
     assert "rejoined a job under way" in text
     assert "cannot line up" not in text
     results = [json.loads((tmp_path / f"worker{w}.json").read_text())
                for w in (lives, dies)]
-    assert results[0]["epochs_run"] == list(range(EPOCHS))
+    assert results[0]["epochs_run"] == list(range(epochs))
     rejoined = results[1]["epochs_run"]
     assert rejoined, "the rejoined worker's fit ran no epoch: too late"
-    assert 2 <= rejoined[0] < EPOCHS - 1, rejoined  # it came mid-run
-    assert rejoined == list(range(rejoined[0], EPOCHS))
+    assert 2 <= rejoined[0] < epochs - 1, rejoined  # it came mid-run
+    assert rejoined == list(range(rejoined[0], epochs))
     # Its epoch ends fell on the others': the averaged logs of every epoch
-    # it ran are worker 0's (the same mean), and the steps match.
+    # it ran are the survivor's (the same mean), and the steps match.
     # (ps_* figures are each worker's own, added after the averaging.)
     for key, values in results[1]["history"].items():
         if not key.startswith("ps_"):
