@@ -11,7 +11,9 @@ So at the start of its `fit` such a worker reads from the epoch logs'
 table where the others' last epoch ended (the epoch and the parameter
 tables' clock, which every barrier carries) and, with its own steps per
 epoch, where their current epoch ends. It clocks its parameter tables to
-there without updates, one clock at a time as the others step (so each wait
+there without updates (first those a clock behind the others: rejoining in
+the middle of the others' step, when they have clocked some tables and not
+yet the rest), one clock at a time as the others step (so each wait
 is one of their steps, within the client's timeout), takes part in that
 epoch end's barriers with nothing of its own (`WorkerMean.skip`), and its
 `fit` starts at the next epoch. When the others are at the very start of
@@ -123,6 +125,7 @@ def _plan(strategy, model, steps_per_epoch):
     sync.build_pending()
     if not sync.tables:
         raise _CannotLineUp("the model has no parameter tables yet")
+    _even_out(client, [layer.table for layer in sync.tables])
     # The barrier tables in the order the others created them (their ids):
     # that order depends on where their fit averaged first.
     means = {strategy.epoch_logs.worker_mean.name:
@@ -159,6 +162,18 @@ def _plan(strategy, model, steps_per_epoch):
             statistics.table().clock == last.statistics_clock:
         skips.append(statistics)
     return skips, last.epoch, end
+
+
+def _even_out(client, tables):
+    """Clocks the tables behind the others (with no updates) to the
+    furthest one's clock: a worker that rejoins while the others are in
+    the middle of a step (they clock one table after another) finds its
+    tables at two clocks, and each lagging one is a clock the others wait
+    for it on."""
+    furthest = max(table.clock for table in tables)
+    for table in tables:
+        while table.clock < furthest:
+            client.clock([table])
 
 
 def statistics_clock_after(strategy, model, averaged):

@@ -272,6 +272,61 @@ def test_a_worker_rejoining_mid_epoch_joins_the_others_next_epoch_end(
         first.close()
 
 
+def test_a_worker_rejoining_mid_step_brings_its_tables_to_one_clock(
+        thread_cluster):
+    """Worker 0 has clocked one of its two tables for its step when worker
+    1 rejoins: the rejoined worker's tables are at two clocks. Its `fit`
+    first clocks the lagging one (the others wait for it there), then
+    lines up as usual; without that, its tables would stay a clock apart
+    and the epoch-end barriers would wait until the timeout."""
+    cluster = thread_cluster(1, 2, settings=ShardSettings(
+        worker_timeout=1, on_worker_failure="continue"))
+    x, y = regression_data(4 * BATCH)
+
+    def epoch_and_a_half_step(strategy, model):  # clocks 0-5, half of 6
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0, callbacks=strategy.callbacks())
+        for _ in range(2):
+            model.train_on_batch(x[:BATCH], y[:BATCH])
+        tables = [layer.table for layer in strategy.parameter_sync.tables]
+        assert len(tables) == 2
+        strategy.client.clock(tables[:1])  # (an empty step 6, half done)
+
+    first, again = _rejoin_after(cluster, epoch_and_a_half_step)
+
+    def worker_0_goes_on():
+        tables = [layer.table for layer in first.parameter_sync.tables]
+        first.client.clock(tables[1:])  # the rest of step 6
+        for epoch, steps in ((1, 1), (2, 4)):
+            for _ in range(steps):
+                first.model.train_on_batch(x[:BATCH], y[:BATCH])
+            first.epoch_logs.average({"loss": 1.0}, epoch=epoch,
+                                     clock=first.parameter_sync.clock)
+
+    thread = threading.Thread(target=worker_0_goes_on)
+    try:
+        assert again.client.rejoined_at == 7
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again.parameter_sync.build_pending()
+            clocks = [layer.table.clock
+                      for layer in again.parameter_sync.tables]
+            assert clocks == [7, 6]
+            thread.start()
+            history = again.model.fit(x, y, batch_size=BATCH, epochs=3,
+                                      shuffle=False, verbose=0)
+        thread.join(60)
+        assert not thread.is_alive()
+        assert history.epoch == [2]
+        assert again.parameter_sync.clock == first.parameter_sync.clock == 12
+        assert [layer.table.clock for layer in
+                again.parameter_sync.tables] == [12, 12]
+    finally:
+        thread.join(60)
+        again.close()
+        first.close()
+
+
 def test_a_worker_rejoining_before_any_epoch_end_is_warned(thread_cluster):
     """With no epoch end yet there is nothing to read where the others'
     epochs end: the rejoined worker's `fit` warns that its epoch ends line
