@@ -21,11 +21,17 @@ def _cmd_launch(args):
         print("keras-geeps launch: give the worker command after --",
               file=sys.stderr)
         return 2
-    if args.checkpoint_every < 0 or args.shard_restarts < 0 or \
-            args.worker_restarts < 0 or args.worker_timeout < 0:
+    if min(args.checkpoint_every, args.shard_restarts, args.worker_restarts,
+           args.job_restarts, args.worker_timeout) < 0:
         print("keras-geeps launch: --checkpoint-every, --shard-restarts, "
-              "--worker-restarts and --worker-timeout must be >= 0",
-              file=sys.stderr)
+              "--worker-restarts, --job-restarts and --worker-timeout must "
+              "be >= 0", file=sys.stderr)
+        return 2
+    if args.job_restarts and not (args.checkpoint_dir and
+                                  args.checkpoint_every > 0):
+        print("keras-geeps launch: --job-restarts needs --checkpoint-dir "
+              "and --checkpoint-every K (> 0): the job starts again from "
+              "the shards' checkpoint", file=sys.stderr)
         return 2
     if args.worker_restarts and not (args.worker_timeout > 0 and
                                      args.on_worker_failure == "continue"):
@@ -61,7 +67,8 @@ def _cmd_launch(args):
     restarts = args.shard_restarts if args.checkpoint_every > 0 else 0
     return launch(command, num_workers=args.workers, num_shards=args.shards,
                   shard_args=shard_args, shard_restarts=restarts,
-                  worker_restarts=args.worker_restarts)
+                  worker_restarts=args.worker_restarts,
+                  job_restarts=args.job_restarts)
 
 
 def _ask_all(args, msg_type):
@@ -154,7 +161,7 @@ def build_parser():
               "[--checkpoint-dir DIR --checkpoint-every K] "
               "[--deterministic-sums] [--worker-timeout S "
               "--on-worker-failure continue --worker-restarts R] "
-              "-- COMMAND ...")
+              "[--job-restarts J] -- COMMAND ...")
     launch.add_argument("--workers", type=int, default=2)
     launch.add_argument("--shards", type=int, default=2)
     launch.add_argument("--checkpoint-dir", default=None,
@@ -183,6 +190,12 @@ def build_parser():
                         help="how many times in all workers that fail are "
                              "started again (with --on-worker-failure "
                              "continue): each rejoins the job under way")
+    launch.add_argument("--job-restarts", type=int, default=0,
+                        help="how many times in all the whole job is "
+                             "started again when it fails (with "
+                             "--checkpoint-every > 0): the shards from "
+                             "their checkpoint, every worker afresh (a fit "
+                             "with BackupAndRestore resumes)")
     launch.add_argument("command", nargs=argparse.REMAINDER)
     launch.set_defaults(func=_cmd_launch)
 

@@ -311,7 +311,7 @@ def worker_env(spec, base=None, workers=None):
 
 def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
            shard_args=(), poll_interval=0.1, shard_restarts=0,
-           worker_restarts=0):
+           worker_restarts=0, job_restarts=0):
     """Runs `command` on `num_workers` local workers against local shards.
 
     Args:
@@ -335,6 +335,15 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
             `--worker-timeout` > 0 and `--on-worker-failure continue` in
             `shard_args`, so that the others go on without it meanwhile.
             Defaults to 0: a failing worker stops the job.
+        job_restarts: how many times in all the whole job is started
+            again when it fails (a worker or shard failed past the
+            restarts above; not when interrupted or signalled): every
+            process is stopped, the shards start again with `--restore`
+            from their checkpoint, and every worker starts afresh (a
+            `fit` with `keras.callbacks.BackupAndRestore` resumes at its
+            last backup, the parameters at the shards' checkpoint). It
+            needs `--checkpoint-dir` and `--checkpoint-every` > 0 in
+            `shard_args`. Defaults to 0.
 
     Returns:
         0 when every worker exits 0; otherwise the first failing worker's
@@ -349,10 +358,41 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                   shard_restarts=3)
     ```
     """
-    if worker_restarts > 0 and not _goes_on_without_workers(shard_args):
+    settings = _shard_settings(shard_args)
+    if worker_restarts > 0 and not (settings.worker_timeout > 0 and
+                                    settings.on_worker_failure == "continue"):
         raise ValueError("worker_restarts needs --worker-timeout > 0 and "
                          "--on-worker-failure continue in shard_args (the "
                          "others must go on without a worker that died)")
+    if job_restarts > 0 and not (settings.checkpoint_dir and
+                                 settings.checkpoint_every > 0):
+        raise ValueError("job_restarts needs --checkpoint-dir and "
+                         "--checkpoint-every > 0 in shard_args (the job "
+                         "starts again from the shards' checkpoint)")
+    budget = {"shard": shard_restarts, "worker": worker_restarts}
+    restore = []
+    while True:
+        failure = _run_job(command, num_workers, num_shards, output,
+                           [*shard_args, *restore], poll_interval, budget)
+        if failure is None:
+            return 0
+        message, code, restartable = failure
+        _say(output, f"keras-geeps launch: {message}; stopped the other "
+                     f"processes")
+        if not restartable or job_restarts <= 0:
+            return code
+        job_restarts -= 1
+        _say(output, f"[launch] starting the whole job again, the shards "
+                     f"with --restore ({job_restarts} job restarts left)")
+        restore = [] if "--restore" in shard_args else ["--restore"]
+
+
+def _run_job(command, num_workers, num_shards, output, shard_args,
+             poll_interval, budget):
+    """One run of `launch`'s job: its shards and workers, until every
+    worker exits 0 (returns None) or something fails past the restarts
+    left in `budget` ({"shard": n, "worker": n}, spent in place): returns
+    (message, exit code, whether a job restart may follow)."""
     cluster = LocalCluster(num_shards, num_workers, processes=True,
                            output=output, shard_args=shard_args)
     workers, pumps = [], []
@@ -384,13 +424,13 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                     continue
                 exited = (f"worker {worker_id} (pid {workers[worker_id].pid})"
                           f" exited with code {code}")
-                if worker_restarts <= 0:
-                    failure = (exited, code if code > 0 else 1)
+                if budget["worker"] <= 0:
+                    failure = (exited, code if code > 0 else 1, True)
                     break
-                worker_restarts -= 1
+                budget["worker"] -= 1
                 _signal_group(workers[worker_id].pid, signal.SIGKILL)
                 _say(output, f"[launch] {exited}; starting it again "
-                             f"({worker_restarts} restarts left)")
+                             f"({budget['worker']} restarts left)")
                 workers[worker_id].wait()
                 workers[worker_id] = start_worker(worker_id)
                 codes[worker_id] = None
@@ -402,27 +442,27 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                             f"{shard.process.pid}) died with code "
                             f"{shard.process.returncode}")
                     # (code 0: it was stopped on purpose, not to restart)
-                    if shard_restarts <= 0 or shard.process.returncode == 0:
-                        failure = (died, 1)
+                    if budget["shard"] <= 0 or shard.process.returncode == 0:
+                        failure = (died, 1, True)
                         break
-                    shard_restarts -= 1
+                    budget["shard"] -= 1
                     _say(output, f"[launch] {died}; starting it again with "
-                                 f"--restore ({shard_restarts} restarts "
+                                 f"--restore ({budget['shard']} restarts "
                                  f"left)")
                     try:
                         cluster.shards[index] = shard.restart(["--restore"])
                     except GeePSError as exc:
                         failure = (f"{died}, and did not start again: "
-                                   f"{exc}", 1)
+                                   f"{exc}", 1, True)
                         break
             if failure is None and all(code == 0 for code in codes):
                 break
             time.sleep(poll_interval)
     except KeyboardInterrupt:
-        failure = ("interrupted", 130)
+        failure = ("interrupted", 130, False)
     except _Stopped as stopped:
         failure = (f"stopped by signal {stopped.signum}",
-                   128 + stopped.signum)
+                   128 + stopped.signum, False)
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
@@ -437,24 +477,22 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
         for pump in pumps:
             pump.join(2.0)
         cluster.stop()
-    if failure is not None:
-        _say(output, f"keras-geeps launch: {failure[0]}; stopped the other "
-                     f"processes")
-        return failure[1]
-    return 0
+    return failure
 
 
-def _goes_on_without_workers(shard_args):
-    """Whether shards started with `shard_args` go on without a worker
-    that died (--worker-timeout > 0, --on-worker-failure continue)."""
-    from keras_geeps.shard import build_parser  # noqa: PLC0415
+def _shard_settings(shard_args):
+    """The `keras-geeps shard` flags `shard_args` give (parsed; a
+    `--restore DIR` folded into checkpoint_dir)."""
+    from keras_geeps.shard import _restore_folder, build_parser  # noqa
     try:
         args, _ = build_parser().parse_known_args(
             ["--shard-id", "0", "--num-shards", "1", "--num-workers", "1",
              *shard_args])
-    except SystemExit:
-        return False
-    return args.worker_timeout > 0 and args.on_worker_failure == "continue"
+        _restore_folder(args)
+    except SystemExit as exc:
+        raise ValueError(f"shard_args {list(shard_args)} are not valid "
+                         f"`keras-geeps shard` flags: {exc}") from exc
+    return args
 
 
 class _Stopped(Exception):

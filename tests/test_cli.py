@@ -200,6 +200,9 @@ def test_launch_starts_a_failed_worker_again_and_it_rejoins(tmp_path):
     result = _cli("launch", "--worker-restarts", "1", "--", "true")
     assert result.returncode == 2
     assert "--worker-restarts needs --worker-timeout" in result.stderr
+    result = _cli("launch", "--job-restarts", "1", "--", "true")
+    assert result.returncode == 2
+    assert "--job-restarts needs --checkpoint-dir" in result.stderr
     with pytest.raises(ValueError, match="worker_restarts needs"):
         launch(["true"], worker_restarts=1, shard_args=[
             "--worker-timeout", "5"])  # (stop: the default)

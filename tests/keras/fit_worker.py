@@ -192,8 +192,11 @@ def main():
     if args.kill_shard_at and w == 0:
         shard, epoch, batch = map(int, args.kill_shard_at.split(":"))
         callbacks.append(KillShardAt(strategy.client, shard, epoch, batch))
-    if args.die_all_at:
+    died_all = os.path.join(args.out, f"died_all_{w}")
+    if args.die_all_at and not os.path.exists(died_all):
+        # (once: a job started again from the checkpoint goes on)
         epoch, batch = map(int, args.die_all_at.split(":"))
+        open(died_all, "w").close()
         callbacks.append(DieAt(batch, epoch, code=9))
     validation = (x[:200], y[:200]) if args.validate else None
     if args.val_per_worker:

@@ -51,6 +51,40 @@ def test_fit_killed_mid_epoch_resumes_from_shard_checkpoint(tmp_path):
         np.testing.assert_array_equal(weights[0][name], weights[1][name])
 
 
+def test_launch_job_restarts_resume_a_fit_killed_mid_epoch(tmp_path):
+    """The same job in one `launch(job_restarts=1)`: when every worker dies
+    in epoch 2, the launcher stops the shards and starts the whole job
+    again, the shards with --restore; the workers' BackupAndRestore
+    resumes them at epoch 2 from the shards' checkpoint, and they end
+    together."""
+    ckpt, backup, out = (tmp_path / d for d in ("ckpt", "backup", "out"))
+    out.mkdir()
+    log = io.StringIO()
+    code = launch(WORKER + ["--out", str(out), "--epochs", "3",
+                            "--optimizer", "adam", "--lr", "0.01",
+                            "--backup-dir", str(backup), "--die-all-at",
+                            "1:10"], 2, 2, output=log, job_restarts=1,
+                  shard_args=["--checkpoint-dir", str(ckpt),
+                              "--checkpoint-every", "4"])
+    text = log.getvalue()
+    assert code == 0, text[-3000:]
+    assert "exited with code 9; stopped the other processes" in text
+    assert "[launch] starting the whole job again, the shards with " \
+        "--restore (0 job restarts left)" in text
+    assert "restored" in text  # (the shards' own warning)
+    results = [json.loads((out / f"worker{w}.json").read_text())
+               for w in range(2)]
+    weights = [np.load(out / f"worker{w}.npz") for w in range(2)]
+    for result in results:
+        assert len(result["history"]["loss"]) == 2  # epochs 2 and 3
+        restored_clock = result["stats"]["clock"] - 2 * 28
+        assert 28 < restored_clock <= 28 + 11 and restored_clock % 4 == 0
+    for name in weights[0].files:
+        np.testing.assert_array_equal(weights[0][name], weights[1][name])
+    with pytest.raises(ValueError, match="job_restarts needs"):
+        launch(["true"], job_restarts=1)
+
+
 def test_fit_goes_on_through_a_shard_killed_and_restarted(tmp_path):
     """SIGKILL shard 1 in the middle of epoch 1 of a 2-worker BSP fit; the
     launcher restarts it with --restore and the workers replay what its
