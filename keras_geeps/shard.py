@@ -189,9 +189,10 @@ class _Table:
         self.data = np.zeros((self.local_rows, self.width), self.dtype)
         self.per_clock = bool(spec.get(protocol.PER_CLOCK))
         # What a per-clock table's clocks start from: zeros, one row
-        # broadcast (read only, as every base is).
+        # broadcast (read only, as every base is), which `_Pending` knows
+        # by its type and never reads.
         self.zeros = np.broadcast_to(np.zeros((1, self.width), self.dtype),
-                                     self.data.shape)
+                                     self.data.shape).view(_ZeroRows)
         self.initialised = np.zeros(self.local_rows, bool)
         self.ready = self.local_rows == 0
         self.vclock = np.zeros(num_workers, np.int64)
@@ -217,6 +218,11 @@ class _Table:
         return self.zeros if self.per_clock else data
 
 
+class _ZeroRows(np.ndarray):
+    """A base of zeros (`_Table.zeros`): `_Pending` copies the first update
+    of a row instead of adding it to zeros, and fills rows with 0."""
+
+
 class _Pending:
     """The updates of one clock, summed as they arrive.
 
@@ -225,13 +231,19 @@ class _Pending:
     rows, with no extra pass. For later clocks (SSP), and for any clock of
     a table still waiting for its initial rows, it holds plain deltas until
     `rebase` makes it absolute. Rows never written hold garbage;
-    `complete` fills them from `base`.
+    `complete` fills them from `base`. A `_ZeroRows` base is never read:
+    the sums on it are the plain deltas.
     """
 
     def __init__(self, buffer, base=None):
         self.buffer = buffer
-        self.base = base
         self.written = np.zeros(buffer.shape[0], bool)
+        self._set_base(base)
+
+    def _set_base(self, base):
+        self.base = base
+        # What the first update of a row adds to: nothing (a copy), or base.
+        self._adds_to = None if isinstance(base, _ZeroRows) else base
 
     def add(self, start, rows):
         """Adds `rows` at row `start`."""
@@ -241,10 +253,10 @@ class _Pending:
         if written.all():
             np.add(target, rows, out=target)
         elif not written.any():
-            if self.base is None:
+            if self._adds_to is None:
                 np.copyto(target, rows)
             else:
-                np.add(self.base[start:end], rows, out=target)
+                np.add(self._adds_to[start:end], rows, out=target)
         else:
             self._fill(np.arange(start, end)[~written])
             np.add(target, rows, out=target)
@@ -267,8 +279,8 @@ class _Pending:
             return
         target = self.buffer[start:end]
         frame.open_into(target.reshape(-1).view(np.uint8))
-        if self.base is not None:
-            np.add(target, self.base[start:end], out=target)
+        if self._adds_to is not None:
+            np.add(target, self._adds_to[start:end], out=target)
         written[:] = True
 
     def add_indexed(self, index, rows):
@@ -280,24 +292,25 @@ class _Pending:
             np.add.at(self.buffer, index, rows)
 
     def _fill(self, fresh):
-        self.buffer[fresh] = 0 if self.base is None else self.base[fresh]
+        self.buffer[fresh] = (0 if self._adds_to is None else
+                              self._adds_to[fresh])
         self.written[fresh] = True
 
     def rebase(self, base):
         """Turns plain deltas into `base + deltas` (the clock became current)."""
-        written = self.written
-        if written.all():
+        self._set_base(base)
+        written, base = self.written, self._adds_to
+        if base is None:
+            pass
+        elif written.all():
             np.add(self.buffer, base, out=self.buffer)
         elif written.any():
             self.buffer[written] += base[written]
-        self.base = base
 
     def complete(self):
         """Returns the full fresh rows (unwritten rows copied from base)."""
         if not self.written.all():
-            missing = ~self.written
-            self.buffer[missing] = self.base[missing]
-            self.written[:] = True
+            self._fill(~self.written)
         return self.buffer
 
 
