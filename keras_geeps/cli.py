@@ -13,7 +13,7 @@ def _cmd_shard(args):
 
 
 def _cmd_launch(args):
-    from keras_geeps.launch import launch  # noqa: PLC0415
+    from keras_geeps.launch import check_restarts, launch  # noqa: PLC0415
     command = args.command
     if command and command[0] == "--":
         command = command[1:]
@@ -26,18 +26,6 @@ def _cmd_launch(args):
         print("keras-geeps launch: --checkpoint-every, --shard-restarts, "
               "--worker-restarts, --job-restarts and --worker-timeout must "
               "be >= 0", file=sys.stderr)
-        return 2
-    if args.job_restarts and not (args.checkpoint_dir and
-                                  args.checkpoint_every > 0):
-        print("keras-geeps launch: --job-restarts needs --checkpoint-dir "
-              "and --checkpoint-every K (> 0): the job starts again from "
-              "the shards' checkpoint", file=sys.stderr)
-        return 2
-    if args.worker_restarts and not (args.worker_timeout > 0 and
-                                     args.on_worker_failure == "continue"):
-        print("keras-geeps launch: --worker-restarts needs --worker-timeout "
-              "S (> 0) and --on-worker-failure continue: the other workers "
-              "must go on without a worker that died", file=sys.stderr)
         return 2
     shard_args = []
     if args.checkpoint_dir:
@@ -55,16 +43,19 @@ def _cmd_launch(args):
         shard_args += ["--worker-timeout", str(args.worker_timeout)]
     if args.on_worker_failure:
         shard_args += ["--on-worker-failure", args.on_worker_failure]
-    try:  # what every shard would refuse at start, said once here
+    restarts = args.shard_restarts if args.checkpoint_every > 0 else 0
+    try:  # what every shard, or launch, would refuse at start, said here
         from keras_geeps.shard import ShardSettings  # noqa: PLC0415
         ShardSettings(checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every,
                       **({} if args.max_pending_clocks is None else
                          {"max_pending_clocks": args.max_pending_clocks}))
+        check_restarts(shard_args, shard_restarts=restarts,
+                       worker_restarts=args.worker_restarts,
+                       job_restarts=args.job_restarts)
     except ValueError as exc:
         print(f"keras-geeps launch: {exc}", file=sys.stderr)
         return 2
-    restarts = args.shard_restarts if args.checkpoint_every > 0 else 0
     return launch(command, num_workers=args.workers, num_shards=args.shards,
                   shard_args=shard_args, shard_restarts=restarts,
                   worker_restarts=args.worker_restarts,

@@ -358,17 +358,8 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                   shard_restarts=3)
     ```
     """
-    settings = _shard_settings(shard_args)
-    if worker_restarts > 0 and not (settings.worker_timeout > 0 and
-                                    settings.on_worker_failure == "continue"):
-        raise ValueError("worker_restarts needs --worker-timeout > 0 and "
-                         "--on-worker-failure continue in shard_args (the "
-                         "others must go on without a worker that died)")
-    if job_restarts > 0 and not (settings.checkpoint_dir and
-                                 settings.checkpoint_every > 0):
-        raise ValueError("job_restarts needs --checkpoint-dir and "
-                         "--checkpoint-every > 0 in shard_args (the job "
-                         "starts again from the shards' checkpoint)")
+    check_restarts(shard_args, shard_restarts=shard_restarts,
+                   worker_restarts=worker_restarts, job_restarts=job_restarts)
     budget = {"shard": shard_restarts, "worker": worker_restarts}
     restore = []
     while True:
@@ -478,6 +469,50 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
             pump.join(2.0)
         cluster.stop()
     return failure
+
+
+def check_restarts(shard_args=(), shard_restarts=0, worker_restarts=0,
+                   job_restarts=0):
+    """Checks that the restarts asked of `launch` can work with the shard
+    flags `shard_args`; what `launch` (and `keras-geeps launch`, before it
+    starts anything) refuses.
+
+    Args:
+        shard_args: the `keras-geeps shard` flags, as for `launch`.
+        shard_restarts: as for `launch`.
+        worker_restarts: as for `launch`.
+        job_restarts: as for `launch`.
+
+    Raises:
+        ValueError: naming the restarts that cannot work, and what they
+            need.
+
+    Example:
+
+    ```python
+    check_restarts(["--worker-timeout", "10", "--on-worker-failure",
+                    "continue"], worker_restarts=2)  # fine
+    check_restarts([], job_restarts=1)  # ValueError: needs checkpoints
+    ```
+    """
+    if min(shard_restarts, worker_restarts, job_restarts) < 0:
+        raise ValueError(
+            "shard, worker and job restarts (--shard-restarts, "
+            "--worker-restarts, --job-restarts) must be >= 0, not "
+            f"{shard_restarts}, {worker_restarts}, {job_restarts}")
+    settings = _shard_settings(shard_args)
+    if worker_restarts > 0 and not (settings.worker_timeout > 0 and
+                                    settings.on_worker_failure == "continue"):
+        raise ValueError(
+            "worker restarts (--worker-restarts) need --worker-timeout S "
+            "(> 0) and --on-worker-failure continue in the shard flags: the "
+            "other workers must go on without a worker that died")
+    if job_restarts > 0 and not (settings.checkpoint_dir and
+                                 settings.checkpoint_every > 0):
+        raise ValueError(
+            "job restarts (--job-restarts) need --checkpoint-dir and "
+            "--checkpoint-every K (> 0) in the shard flags: the job starts "
+            "again from the shards' checkpoint")
 
 
 def _shard_settings(shard_args):

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from keras_geeps.launch import launch
+from keras_geeps.launch import check_restarts, launch
 
 
 def _cli(*args, timeout=60):
@@ -197,15 +197,28 @@ def test_launch_starts_a_failed_worker_again_and_it_rejoins(tmp_path):
     final = f"{20 + 5 + 20 - rejoined:.1f}"
     assert out.count(f"final 0 {final}") == out.count(f"final 1 {final}") \
         == 1, out
+
+
+def test_launch_refuses_restarts_that_cannot_work():
+    """The CLI and `launch` refuse, with one message, before starting
+    anything."""
     result = _cli("launch", "--worker-restarts", "1", "--", "true")
     assert result.returncode == 2
-    assert "--worker-restarts needs --worker-timeout" in result.stderr
+    assert "worker restarts (--worker-restarts) need --worker-timeout" \
+        in result.stderr
     result = _cli("launch", "--job-restarts", "1", "--", "true")
     assert result.returncode == 2
-    assert "--job-restarts needs --checkpoint-dir" in result.stderr
-    with pytest.raises(ValueError, match="worker_restarts needs"):
+    assert "job restarts (--job-restarts) need --checkpoint-dir" \
+        in result.stderr
+    with pytest.raises(ValueError, match=r"restarts \(--worker-restarts\)"):
         launch(["true"], worker_restarts=1, shard_args=[
             "--worker-timeout", "5"])  # (stop: the default)
+    with pytest.raises(ValueError, match=r"must be >= 0, not 0, -1, 0"):
+        launch(["true"], worker_restarts=-1)
+    check_restarts(["--worker-timeout", "5", "--on-worker-failure",
+                    "continue"], worker_restarts=1)
+    check_restarts(["--checkpoint-dir", "/nonexistent", "--checkpoint-every",
+                    "4"], shard_restarts=2, job_restarts=1)
 
 
 def test_launch_passes_deterministic_sums_to_its_shards(tmp_path):

@@ -81,7 +81,7 @@ def test_launch_job_restarts_resume_a_fit_killed_mid_epoch(tmp_path):
         assert 28 < restored_clock <= 28 + 11 and restored_clock % 4 == 0
     for name in weights[0].files:
         np.testing.assert_array_equal(weights[0][name], weights[1][name])
-    with pytest.raises(ValueError, match="job_restarts needs"):
+    with pytest.raises(ValueError, match=r"restarts \(--job-restarts\) need"):
         launch(["true"], job_restarts=1)
 
 
