@@ -518,12 +518,13 @@ def check_restarts(shard_args=(), shard_restarts=0, worker_restarts=0,
 def _shard_settings(shard_args):
     """The `keras-geeps shard` flags `shard_args` give (parsed; a
     `--restore DIR` folded into checkpoint_dir)."""
-    from keras_geeps.shard import _restore_folder, build_parser  # noqa
+    from keras_geeps.shard.command import (  # noqa: PLC0415
+        build_parser, settle_restore_flags)
     try:
         args, _ = build_parser().parse_known_args(
             ["--shard-id", "0", "--num-shards", "1", "--num-workers", "1",
              *shard_args])
-        _restore_folder(args)
+        settle_restore_flags(args)
     except SystemExit as exc:
         raise ValueError(f"shard_args {list(shard_args)} are not valid "
                          f"`keras-geeps shard` flags: {exc}") from exc

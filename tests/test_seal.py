@@ -384,10 +384,10 @@ def test_rows_a_sender_holds_back_stay_out_of_the_shards_pool(pair):
     """A shard retires a rows buffer with the trackers of its sends; for a
     sealed session those are `Queued`s: the buffer is not handed out for
     new sums while a chunk of it still waits to be sealed."""
-    from keras_geeps.shard import _BufferPool  # noqa: PLC0415
+    from keras_geeps.shard.tables import BufferPool  # noqa: PLC0415
 
     worker, shard = pair
-    pool = _BufferPool((256, 256), np.dtype(np.float32))
+    pool = BufferPool((256, 256), np.dtype(np.float32))
     rows = pool.get()
     rows[:] = 1.0
     with _inproc_sender(worker, in_flight=1) as (sender, b):

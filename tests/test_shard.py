@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from keras_geeps import protocol
 from keras_geeps.errors import GeePSServerError
 from keras_geeps.protocol import Message, MsgType
-from keras_geeps.shard import ShardServer, ShardSettings, _SeqTracker
+from keras_geeps.shard import ShardServer, ShardSettings
+from keras_geeps.shard.sessions import SeqTracker
 
 
 class RawPeer:
@@ -138,8 +139,8 @@ def test_seq_tracker_skips_gaps_older_than_its_window(monkeypatch):
     under new ones) leave gaps: once the window passes them they count as
     done, so the tracker's memory stays bounded; within the window, late
     numbers are still told apart from resends."""
-    monkeypatch.setattr(_SeqTracker, "WINDOW", 8)
-    tracker = _SeqTracker(start=10)
+    monkeypatch.setattr(SeqTracker, "WINDOW", 8)
+    tracker = SeqTracker(start=10)
     for seq in [12, 11, 14]:  # out of order; 13 not yet
         tracker.mark(seq)
     assert tracker.seen(11) and tracker.seen(12) and tracker.seen(14)
@@ -154,8 +155,8 @@ def test_seq_tracker_skips_gaps_older_than_its_window(monkeypatch):
     assert len(tracker.above) <= 8 + 8 // 4
     # A worker that leaves every other number unused: the set is rebuilt
     # once per quarter window, not on every message.
-    monkeypatch.setattr(_SeqTracker, "WINDOW", 64)
-    tracker = _SeqTracker(start=0)
+    monkeypatch.setattr(SeqTracker, "WINDOW", 64)
+    tracker = SeqTracker(start=0)
     rebuilt, above = 0, tracker.above
     for seq in range(2, 2002, 2):  # 1000 numbers
         tracker.mark(seq)
@@ -391,7 +392,7 @@ def test_a_bind_to_a_port_briefly_in_use_is_retried(monkeypatch):
     within BIND_RETRY_S, and fails naming the address after that."""
     import threading  # noqa: PLC0415
 
-    from keras_geeps import shard as shard_module  # noqa: PLC0415
+    from keras_geeps.shard import server as shard_module  # noqa: PLC0415
 
     context = zmq.Context()
     holder = context.socket(zmq.ROUTER)

@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from keras_geeps import checkpoint, protocol
-from keras_geeps import shard as shard_module
+from keras_geeps.shard import server as shard_module
 from keras_geeps.auth import keygen
 from keras_geeps.protocol import MsgType
 from keras_geeps.shard import ShardServer, ShardSettings

@@ -1,34 +1,11 @@
-"""One parameter-server shard: tables, vector clocks, update application.
+"""`ShardServer`: a shard's poll loop and the handling of every request.
 
-A shard owns, for every table, one contiguous range of its rows. Workers
-send additive updates tagged with their clock; the shard applies each
-exactly once (per-sender sequence numbers), keeps a vector clock per table,
-and when a table's global clock (the minimum over workers) advances it pushes
-the fresh rows to every subscribed worker, tagged with their data age.
-
-The shard keeps this invariant: a table's rows hold exactly the updates of
-the clocks before its global clock G. Updates of clock G and later (later
-ones are possible with SSP) are summed in per-clock buffers and folded in
-when G passes them, into a fresh buffer: published rows are never changed
-in place, so every push and read reply is sent without a copy and reflects
-exactly the clocks before its age.
-
-Workers on the same host exchange rows with the shard through shared
-memory (`keras_geeps.shm`) instead of loopback TCP: a push then carries a
-reference to the shard's row buffer, which the worker releases (RELEASE)
-once it no longer reads it; the shard reuses a buffer only when every
-zero-copy send from it is done and no worker holds it.
-
-Run it as a process (`keras-geeps shard ...` / `python -m keras_geeps.shard`)
-or as a thread (`ShardServer(...).start()`, for tests and notebooks).
+See the package's docstring for what a shard keeps and promises.
 """
 
-import argparse
 import collections
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 
@@ -37,117 +14,12 @@ import zmq
 
 from keras_geeps import checkpoint, protocol, seal, shm
 from keras_geeps.protocol import Message, MsgType, ProtocolError
+from keras_geeps.shard.sessions import SeqTracker, Session, user_id
+from keras_geeps.shard.settings import RequestError, ShardSettings
+from keras_geeps.shard.tables import BufferPool, Pending, Table, Update
 
 log = logging.getLogger("keras_geeps.shard")
 
-
-class ShardSettings:
-    """Limits and tuning of one shard.
-
-    Args:
-        max_message_bytes: largest message accepted. Defaults to 1 GiB.
-        max_tables: most tables the shard will hold. Defaults to 4096.
-        max_table_bytes: most bytes of rows (all tables) the shard will
-            hold: rows, pending clocks, lent and snapshot buffers, and
-            pooled buffers still being sent. Defaults to 16 GiB.
-        max_pending_clocks: how far ahead of the global clock a worker's
-            update or clock may be (bounds SSP buffers, and the clocks one
-            advance covers). Defaults to 64.
-        max_parked_reads: most reads waiting for freshness, each worker at
-            most its share (max_parked_reads / num_workers). Defaults to
-            4096.
-        chunk_bytes: size of the row chunks the shard sends. Defaults to
-            `protocol.DEFAULT_CHUNK_BYTES`.
-        poll_timeout_ms: poll loop turn, so stop requests and housekeeping
-            run even when idle. Defaults to 100.
-        checkpoint_dir: where checkpoints are written. Defaults to None
-            (no checkpoints).
-        checkpoint_every: snapshot a table whenever its global clock
-            reaches a multiple of this (0: only on request); at most
-            `max_pending_clocks` + 1, so that a restart's replay is taken.
-            Defaults to 0.
-        worker_timeout: seconds without any message (workers send
-            heartbeats) after which a worker is dead; 0 disables the check.
-            A worker whose client closed (LEAVE) is not watched.
-            Defaults to 0.
-        on_worker_failure: "stop" (every worker gets an error naming the
-            dead one) or "continue" (the clocks stop waiting for it; a
-            restarted worker rejoins). Defaults to "stop".
-        shared_memory: exchange rows with workers on this host through
-            shared memory (see `keras_geeps.shm`). Defaults to True unless
-            `KERAS_GEEPS_SHM=0`.
-        max_held_buffers: most row buffers of one table a worker may hold
-            through shared memory; past it the worker gets copies by TCP.
-            Defaults to 4.
-        lend_buffers: when a table has one writer (a 1-worker job) that
-            shares memory with the shard and `checkpoint_every` is 0, lend
-            it the buffer of the table's next rows with every push: the
-            worker writes `rows + update` there itself and the shard adopts
-            it, with no add of its own. Defaults to True.
-        deterministic_sums: add each clock's updates in worker order (all of
-            worker 0's, then worker 1's, ...) instead of as they arrive, so
-            that a job run twice on the same data ends with bit-identical
-            parameters (float addition is not associative: three updates
-            added in another order round differently), a restarted shard's
-            replay included. An update whose turn has not come (a worker
-            numbered below its sender has not finished the clock) is held,
-            counted against max_table_bytes, until it has; so are updates
-            of clocks ahead of the table's (SSP). Defaults to False.
-    """
-
-    def __init__(self, max_message_bytes=1 << 30, max_tables=4096,
-                 max_table_bytes=16 << 30, max_pending_clocks=64,
-                 max_parked_reads=4096,
-                 chunk_bytes=protocol.DEFAULT_CHUNK_BYTES,
-                 poll_timeout_ms=100, checkpoint_dir=None,
-                 checkpoint_every=0, worker_timeout=0.0,
-                 on_worker_failure="stop", shared_memory=None,
-                 max_held_buffers=4, lend_buffers=True,
-                 deterministic_sums=False):
-        if on_worker_failure not in ("stop", "continue"):
-            raise ValueError(f"on_worker_failure must be 'stop' or "
-                             f"'continue', not {on_worker_failure!r}")
-        if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, not "
-                             f"{checkpoint_every}")
-        if checkpoint_every and not checkpoint_dir:
-            raise ValueError("checkpoint_every needs a checkpoint_dir")
-        if checkpoint_every > max_pending_clocks + 1:
-            raise ValueError(
-                f"checkpoint_every={checkpoint_every} needs "
-                f"max_pending_clocks >= {checkpoint_every - 1} (it is "
-                f"{max_pending_clocks}): after a restart each worker "
-                f"replays up to checkpoint_every - 1 + its slack clocks "
-                f"past the restored one, and the shard refuses a clock "
-                f"more than max_pending_clocks ahead")
-        self.checkpoint_dir = checkpoint_dir
-        self.checkpoint_every = checkpoint_every
-        self.worker_timeout = worker_timeout
-        self.on_worker_failure = on_worker_failure
-        self.max_message_bytes = max_message_bytes
-        self.max_tables = max_tables
-        self.max_table_bytes = max_table_bytes
-        self.max_pending_clocks = max_pending_clocks
-        self.max_parked_reads = max_parked_reads
-        self.chunk_bytes = chunk_bytes
-        self.poll_timeout_ms = poll_timeout_ms
-        self.shared_memory = (shm.enabled_by_env() and shm.supported()
-                              if shared_memory is None
-                              else bool(shared_memory))
-        self.max_held_buffers = max_held_buffers
-        self.lend_buffers = lend_buffers
-        self.deterministic_sums = deterministic_sums
-
-
-class RequestError(Exception):
-    """A well-formed request the shard refuses (answered with ERROR)."""
-
-    def __init__(self, message, code=None):
-        super().__init__(message)
-        self.code = code
-
-
-# How long after the job's first HELLO (or a restore) a worker that never
 # said HELLO counts as dead, when it exceeds worker_timeout: room to start.
 STARTUP_GRACE_S = 60.0
 # How many CHECKPOINT requests may wait for the writer; more are refused.
@@ -176,337 +48,12 @@ MAX_BURIED = 1024
 DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
 
 
-class _Table:
-    """The rows of one table that this shard owns, and its clocks."""
-
-    def __init__(self, table_id, spec, num_workers):
-        self.id = table_id
-        self.spec = spec  # name, rows, width, dtype, row_start, row_end
-        self.dtype = protocol.numpy_dtype(spec["dtype"])
-        self.local_rows = spec["row_end"] - spec["row_start"]
-        self.width = spec["width"]
-        self.pool = None  # a _BufferPool, given by the server
-        self.data = np.zeros((self.local_rows, self.width), self.dtype)
-        self.per_clock = bool(spec.get(protocol.PER_CLOCK))
-        # What a per-clock table's clocks start from: zeros, one row
-        # broadcast (read only, as every base is), which `_Pending` knows
-        # by its type and never reads.
-        self.zeros = np.broadcast_to(np.zeros((1, self.width), self.dtype),
-                                     self.data.shape).view(_ZeroRows)
-        self.initialised = np.zeros(self.local_rows, bool)
-        self.ready = self.local_rows == 0
-        self.vclock = np.zeros(num_workers, np.int64)
-        self.updated = np.full(num_workers, -1, np.int64)  # last clock sent
-        self.global_clock = 0
-        self.pending = {}  # clock >= global_clock -> _Pending
-        self.held = {}  # clock -> [_Update] (deterministic_sums)
-        self.subscribers = set()
-        self.snapshot = None      # (clock, rows) taken for the next write
-        self.lent = None          # (clock, worker, rows, SharedBuffer)
-        self.ckpt_clock = -1      # clock of the durable (written) snapshot
-        self.restored = None      # rows loaded from a checkpoint (never
-        # pooled: a snapshot, and a running writer, may still read them)
-
-    @property
-    def nbytes(self):
-        return self.data.nbytes
-
-    def base_after(self, data):
-        """The rows the clock after rows `data` starts from, before its
-        updates: `data` itself, or zeros for a per-clock table (see
-        `protocol.PER_CLOCK`)."""
-        return self.zeros if self.per_clock else data
-
-
-class _ZeroRows(np.ndarray):
-    """A base of zeros (`_Table.zeros`): `_Pending` copies the first update
-    of a row instead of adding it to zeros, and fills rows with 0."""
-
-
-class _Pending:
-    """The updates of one clock, summed as they arrive.
-
-    For the table's current clock (`base` given) the buffer accumulates
-    `base + updates` directly: when the clock completes, it *is* the fresh
-    rows, with no extra pass. For later clocks (SSP), and for any clock of
-    a table still waiting for its initial rows, it holds plain deltas until
-    `rebase` makes it absolute. Rows never written hold garbage;
-    `complete` fills them from `base`. A `_ZeroRows` base is never read:
-    the sums on it are the plain deltas.
-    """
-
-    def __init__(self, buffer, base=None):
-        self.buffer = buffer
-        self.written = np.zeros(buffer.shape[0], bool)
-        self._set_base(base)
-
-    def _set_base(self, base):
-        self.base = base
-        # What the first update of a row adds to: nothing (a copy), or base.
-        self._adds_to = None if isinstance(base, _ZeroRows) else base
-
-    def add(self, start, rows):
-        """Adds `rows` at row `start`."""
-        end = start + rows.shape[0]
-        written = self.written[start:end]
-        target = self.buffer[start:end]
-        if written.all():
-            np.add(target, rows, out=target)
-        elif not written.any():
-            if self._adds_to is None:
-                np.copyto(target, rows)
-            else:
-                np.add(self._adds_to[start:end], rows, out=target)
-        else:
-            self._fill(np.arange(start, end)[~written])
-            np.add(target, rows, out=target)
-        written[:] = True
-
-    def add_sealed(self, start, rows, frame):
-        """Adds the rows of sealed `frame` (`rows`: a view of its frame,
-        as long as the rows it holds) at row `start`.
-
-        Rows not written yet get them opened straight in (the cipher's pass
-        is the write an add makes anyway, and the received frame is not
-        written); others after opening the frame in place. If the frame
-        does not open (`seal.SealError`), nothing changed.
-        """
-        end = start + rows.shape[0]
-        written = self.written[start:end]
-        if written.any():
-            frame.open()  # in place: `rows` now holds them
-            self.add(start, rows)
-            return
-        target = self.buffer[start:end]
-        frame.open_into(target.reshape(-1).view(np.uint8))
-        if self._adds_to is not None:
-            np.add(target, self._adds_to[start:end], out=target)
-        written[:] = True
-
-    def add_indexed(self, index, rows):
-        """Adds `rows` at row ids `index` (duplicates accumulate)."""
-        self._fill(np.unique(index[~self.written[index]]))
-        if index.size > 1 and np.all(index[1:] > index[:-1]):
-            self.buffer[index] += rows
-        else:
-            np.add.at(self.buffer, index, rows)
-
-    def _fill(self, fresh):
-        self.buffer[fresh] = (0 if self._adds_to is None else
-                              self._adds_to[fresh])
-        self.written[fresh] = True
-
-    def rebase(self, base):
-        """Turns plain deltas into `base + deltas` (the clock became current)."""
-        self._set_base(base)
-        written, base = self.written, self._adds_to
-        if base is None:
-            pass
-        elif written.all():
-            np.add(self.buffer, base, out=self.buffer)
-        elif written.any():
-            self.buffer[written] += base[written]
-
-    def complete(self):
-        """Returns the full fresh rows (unwritten rows copied from base)."""
-        if not self.written.all():
-            self._fill(~self.written)
-        return self.buffer
-
-
-class _Update:
-    """The rows of one UPDATE, added to its clock's `_Pending` at once or,
-    held until its turn (`ShardSettings.deterministic_sums`), once the
-    updates of the workers before its own in that clock went in.
-
-    Args:
-        worker: who sent it.
-        row: the row its (first) array starts at; ignored with `index`.
-        arrays: its rows (received frames, or a co-located worker's
-            shared memory, which it does not write again before the clock
-            ends).
-        index: the row ids of an indexed update (its one array), or None.
-    """
-
-    __slots__ = ("worker", "row", "arrays", "index")
-
-    def __init__(self, worker, row, arrays, index=None):
-        self.worker, self.row, self.arrays, self.index = (worker, row,
-                                                          arrays, index)
-
-    @property
-    def nbytes(self):
-        """Bytes it holds."""
-        return sum(a.nbytes for a in self.arrays) + (
-            0 if self.index is None else self.index.nbytes)
-
-    def add_to(self, pending):
-        """Adds its rows to `pending` (a `_Pending`)."""
-        if self.index is not None:
-            pending.add_indexed(self.index, self.arrays[0])
-            return
-        row = self.row
-        for array in self.arrays:
-            pending.add(row, array)
-            row += array.shape[0]
-
-
-class _BufferPool:
-    """Reuses row buffers once nothing reads them any more.
-
-    Fresh 100 MB allocations cost page faults on every clock; a buffer
-    handed to zero-copy sends is reusable once their trackers are done and
-    no worker holds it through shared memory.
-
-    Args:
-        shape, dtype: of every buffer.
-        arena: a `shm.Arena` to allocate shareable buffers from, or None.
-        busy: `busy(buffer_id)` is True while a worker holds that shared
-            buffer.
-        keep: how many free buffers to keep. Defaults to 3.
-    """
-
-    def __init__(self, shape, dtype, arena=None, busy=None, keep=3):
-        self.shape, self.dtype, self.keep = shape, dtype, keep
-        self.arena = arena
-        self.busy = busy or (lambda buffer_id: False)
-        self.shared = {}  # id(array) -> its shm.SharedBuffer
-        self.free = []  # (buffer, [trackers])
-
-    def _reusable(self, buffer, trackers):
-        shared = self.shared.get(id(buffer))
-        return all(t.done for t in trackers) and (
-            shared is None or not self.busy(shared.id))
-
-    def get(self):
-        for i, (buffer, trackers) in enumerate(self.free):
-            if self._reusable(buffer, trackers):
-                del self.free[i]
-                return buffer
-        nbytes = int(np.prod(self.shape)) * self.dtype.itemsize
-        if self.arena is None or nbytes == 0:
-            return np.empty(self.shape, self.dtype)
-        try:
-            shared = self.arena.allocate(nbytes)
-        except OSError as exc:  # out of descriptors: this one goes by TCP
-            log.warning("no shared buffer (%s); rows of this clock go "
-                        "through TCP", exc)
-            return np.empty(self.shape, self.dtype)
-        array = shared.array.view(self.dtype).reshape(self.shape)
-        self.shared[id(array)] = shared
-        return array
-
-    @property
-    def nbytes(self):
-        """Bytes of the free buffers kept (for reuse, or still being sent)."""
-        return len(self.free) * int(np.prod(self.shape)) * self.dtype.itemsize
-
-    def has_reusable(self):
-        """Whether `get` would hand out a kept buffer (no new memory)."""
-        return any(self._reusable(*entry) for entry in self.free)
-
-    def shrink(self):
-        """Drops every free buffer nothing reads any more."""
-        kept = []
-        for buffer, trackers in self.free:
-            if self._reusable(buffer, trackers):
-                self.discard(buffer)
-            else:
-                kept.append((buffer, trackers))
-        self.free = kept
-
-    def discard(self, buffer):
-        """Drops `buffer` for good (never handed out again)."""
-        shared = self.shared.pop(id(buffer), None)
-        if shared is not None:
-            shared.close()
-
-    def put(self, buffer, trackers=()):
-        if self.arena is not None and id(buffer) not in self.shared:
-            return  # e.g. the first rows: keep only shareable buffers
-        self.free.append((buffer, list(trackers)))
-        # Past `keep`, drop buffers nobody reads. One a worker holds (or
-        # has yet to map) stays open until released: closing it could let
-        # its descriptor number name another buffer.
-        i = 0
-        while len(self.free) > self.keep and i < len(self.free):
-            if not self._reusable(*self.free[i]):
-                i += 1
-                continue
-            dropped, _ = self.free.pop(i)
-            shared = self.shared.pop(id(dropped), None)
-            if shared is not None:
-                shared.close()
-
-
 def _opens_into_rows(message):
     """True for a sealed UPDATE whose one frame of rows may be opened
-    straight into the clock's rows (`_Pending.add_sealed`): rows sent
+    straight into the clock's rows (`Pending.add_sealed`): rows sent
     whole, not by index, shared memory or a lent buffer."""
     return message.type == MsgType.UPDATE and len(message.arrays) == 1 \
         and not {"indexed", "into", "ref"} & message.meta.keys()
-
-
-def _user_id(frame):
-    """The ZAP User-Id a frame arrived with (a CURVE client's z85 public
-    key), or None."""
-    try:
-        return frame.get("User-Id")
-    except (zmq.ZMQError, AttributeError):
-        return None
-
-
-class _Session:
-    """A worker's sealed data session (`keras_geeps.seal`): its channel
-    and the sender that paces what goes out on it."""
-
-    def __init__(self, worker, channel, sender):
-        self.worker = worker
-        self.channel = channel
-        self.sender = sender
-
-
-class _SeqTracker:
-    """Which request sequence numbers of one worker have been handled.
-
-    A sliding window, like IPsec's anti-replay window (RFC 4303): a
-    worker's requests come over one connection, out of order only by the
-    few its threads number concurrently, so a number more than `WINDOW`
-    below the highest handled counts as handled. Numbers that never come
-    (a recovering worker sends what it held back under new ones) then cost
-    no memory.
-    """
-
-    WINDOW = 1 << 16
-
-    def __init__(self, start=0):
-        self.upto = start      # every seq <= upto is done
-        self.above = set()     # done seqs > upto + 1 (out of order)
-        self.top = start       # the highest done
-
-    def seen(self, seq):
-        return seq <= self.upto or seq in self.above
-
-    def beyond(self, seq):
-        """Whether `seq` jumps more than the window past the highest done:
-        no worker numbers that many requests that never arrive, and marking
-        it would count every later one as done."""
-        return seq > self.top + self.WINDOW
-
-    def mark(self, seq):
-        self.top = max(self.top, seq)
-        if seq > self.upto:
-            self.above.add(seq)
-        # Gaps further back than the window will not fill: skipped (in
-        # steps of a quarter window, so a worker that leaves gaps does not
-        # make every message rebuild the set).
-        floor = self.top - self.WINDOW
-        if floor > self.upto + self.WINDOW // 4:
-            self.upto = floor
-            self.above = {s for s in self.above if s > floor}
-        while self.upto + 1 in self.above:
-            self.upto += 1
-            self.above.discard(self.upto)
 
 
 class ShardServer:
@@ -557,7 +104,7 @@ class ShardServer:
         self._tables = {}
         self._identities = {}     # worker id -> routing identity
         self._incarnations = {}   # worker id -> incarnation number
-        self._seqs = {}           # worker id -> _SeqTracker
+        self._seqs = {}           # worker id -> SeqTracker
         self._answers = {}        # worker id -> {seq: reply} (KEPT_ANSWERS)
         # worker id -> tables its CREATE found existing (the answer a
         # resent chunk gets once its kept answer was pushed out)
@@ -588,7 +135,7 @@ class ShardServer:
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0,
                       "sealed_held_back": 0}
-        self._sessions = {}       # session id -> _Session (sealed data)
+        self._sessions = {}       # session id -> Session (sealed data)
         self._unopened = None     # the sealed rows of the UPDATE in hand
         self._buried = {}         # worker -> incarnations declared dead
         self._seal_buffers = None  # seal.Buffers of every session
@@ -767,7 +314,7 @@ class ShardServer:
     def _dispatch(self, frames):
         """A message from the main socket (over CURVE when keys are set)."""
         # The CURVE key it came with (ZAP User-Id), for HELLO's check.
-        self._curve_user = _user_id(frames[1]) if self._auth else None
+        self._curve_user = user_id(frames[1]) if self._auth else None
         self._serve(frames[0].bytes, frames[1:])
 
     def _dispatch_sealed(self, frames):
@@ -793,7 +340,7 @@ class ShardServer:
             return
         try:
             # The header only: an UPDATE's rows are opened straight into
-            # the clock's fresh rows when they can be (`_Pending.add_sealed`),
+            # the clock's fresh rows when they can be (`Pending.add_sealed`),
             # everything else in place before it is handled (`_serve`).
             plain = session.channel.open(frames[1:], defer=True)
         except seal.SealGap as exc:
@@ -828,7 +375,7 @@ class ShardServer:
         self._send_to(self._data, [route] + protocol.encode(Message(
             MsgType.ERROR, meta={"error": error,
                                  "code": protocol.ERROR_HELLO_REQUIRED})),
-            False)
+                      False)
 
     def _serve(self, identity, payload, sealed_worker=None, sealed=()):
         """Decodes and handles one request, answering an error for a bad one.
@@ -1024,7 +571,7 @@ class ShardServer:
 
     def _seq_jump(self, worker, seq):
         return RequestError(
-            f"sequence number {seq} is more than {_SeqTracker.WINDOW} past "
+            f"sequence number {seq} is more than {SeqTracker.WINDOW} past "
             f"worker {worker}'s latest ({self._seqs[worker].top}): refused, "
             f"not counted")
 
@@ -1054,7 +601,7 @@ class ShardServer:
         if previous != incarnation:
             # A new worker process (or this shard is new): its requests are
             # numbered from its HELLO on.
-            self._seqs[worker] = _SeqTracker(message.seq)
+            self._seqs[worker] = SeqTracker(message.seq)
             self._answers.pop(worker, None)
             self._existing.pop(worker, None)
             self._forget_shm(worker)
@@ -1116,7 +663,7 @@ class ShardServer:
                                self._seal_buffers)
         # (what goes to it waits for its first message: the worker's link
         # is connected then, and nothing is dropped on an unknown route)
-        self._sessions[route] = _Session(worker, channel, seal.Sender(
+        self._sessions[route] = Session(worker, channel, seal.Sender(
             channel, lambda frames, track: self._send_to(
                 self._data, [route] + frames, track), ready=False))
         token = os.urandom(16).hex()  # lets it connect once (not a key)
@@ -1139,11 +686,11 @@ class ShardServer:
 
     # ------------------------------------------------------ shared memory
     def _new_table(self, table_id, spec):
-        table = _Table(table_id, spec, self.num_workers)
+        table = Table(table_id, spec, self.num_workers)
         for worker in self._dead:  # the clock never waits for them
             table.vclock[worker] = DEAD_CLOCK
-        table.pool = _BufferPool((table.local_rows, table.width),
-                                 table.dtype, self._arena, self._held)
+        table.pool = BufferPool((table.local_rows, table.width),
+                                table.dtype, self._arena, self._held)
         return table
 
     def _held(self, buffer_id):
@@ -1327,7 +874,8 @@ class ShardServer:
                 f"more than max_pending_clocks="
                 f"{self.settings.max_pending_clocks} past its clock "
                 f"{table.global_clock}: no worker gets that far ahead")
-        if table is None or not table.ready or table.global_clock < message.clk:
+        if table is None or not table.ready \
+                or table.global_clock < message.clk:
             self._park(identity, message)
             return
         self._send_rows(table, [identity], MsgType.ROWS, message.seq,
@@ -1425,9 +973,9 @@ class ShardServer:
             for array in arrays:
                 self._check_rows(table, array, row)
                 row += array.shape[0]
-        update = _Update(worker, message.meta.get("chunk_row", 0),
-                         [rows] if indexed else arrays,
-                         index if indexed else None)
+        update = Update(worker, message.meta.get("chunk_row", 0),
+                        [rows] if indexed else arrays,
+                        index if indexed else None)
         if self.settings.deterministic_sums and \
                 not self._in_turn(table, worker, clk):
             update.arrays = self._rows_to_hold(update.arrays)
@@ -1483,7 +1031,7 @@ class ShardServer:
         return list(arrays)
 
     def _hold(self, table, clk, held):
-        """Keeps `held` (an `_Update`) until its turn, within
+        """Keeps `held` (an `Update`) until its turn, within
         max_table_bytes (with the clock's rows buffer, if it has none
         yet)."""
         fresh = clk not in table.pending and clk not in table.held
@@ -1517,11 +1065,11 @@ class ShardServer:
 
     @staticmethod
     def _pending_for(table, clk, base):
-        """The `_Pending` of clock `clk` of `table`, made on `base` (see
-        `_Pending`) if it has none yet."""
+        """The `Pending` of clock `clk` of `table`, made on `base` (see
+        `Pending`) if it has none yet."""
         pending = table.pending.get(clk)
         if pending is None:
-            pending = table.pending[clk] = _Pending(table.pool.get(), base)
+            pending = table.pending[clk] = Pending(table.pool.get(), base)
         return pending
 
     def _adopt_lent(self, table, worker, clk, message):
@@ -1538,7 +1086,7 @@ class ShardServer:
                                f"{message.meta['into']!r:.40}, which this "
                                f"shard did not lend it for that clock")
         table.lent = None
-        pending = table.pending[clk] = _Pending(lent[2], table.data)
+        pending = table.pending[clk] = Pending(lent[2], table.data)
         pending.written[:] = True
         self.stats["shm_bytes_in"] += lent[2].nbytes
         self.stats["lent_updates"] += 1
@@ -1620,7 +1168,7 @@ class ShardServer:
                 self._add_held(table, clk, table.base_after(data))
             pending = table.pending.pop(clk, None)
             if pending is None and table.per_clock:  # no updates: zeros
-                pending = _Pending(table.pool.get(), table.zeros)
+                pending = Pending(table.pool.get(), table.zeros)
             if pending is not None:
                 if pending.base is None:
                     pending.rebase(table.base_after(data))
@@ -2078,126 +1626,3 @@ class ShardServer:
                                        if self._seal_buffers else 0),
                     sealed_waiting=sum(s.sender.waiting
                                        for s in self._sessions.values()))
-
-
-def build_parser(parser=None):
-    """Adds the shard's command-line flags to `parser` (or a new one)."""
-    parser = parser or argparse.ArgumentParser(
-        prog="keras-geeps shard", description="Run one keras_geeps shard.")
-    parser.add_argument("--bind", default="tcp://127.0.0.1:0",
-                        help="ZeroMQ address to bind (port 0 = pick a free "
-                             "one; the chosen address is printed)")
-    parser.add_argument("--shard-id", type=int, required=True)
-    parser.add_argument("--num-shards", type=int, required=True)
-    parser.add_argument("--num-workers", type=int, required=True)
-    parser.add_argument("--max-message-bytes", type=int, default=1 << 30)
-    parser.add_argument("--max-tables", type=int, default=4096)
-    parser.add_argument("--max-table-bytes", type=int, default=16 << 30)
-    parser.add_argument("--max-pending-clocks", type=int, default=64)
-    parser.add_argument("--checkpoint-dir", default=None,
-                        help="where checkpoints are written")
-    parser.add_argument("--checkpoint-every", type=int, default=0,
-                        help="snapshot each table every K clocks (0: only "
-                             "on request)")
-    parser.add_argument("--restore", action="append", nargs="?",
-                        const=True, metavar="DIR",
-                        help="start from the checkpoint in DIR, which is "
-                             "then the --checkpoint-dir too, or (without "
-                             "DIR) in --checkpoint-dir")
-    parser.add_argument("--worker-timeout", type=float, default=0.0,
-                        help="seconds of silence after which a worker is "
-                             "dead (0: never)")
-    parser.add_argument("--on-worker-failure", default="stop",
-                        choices=["stop", "continue"])
-    parser.add_argument("--curve-secret-key", default=None,
-                        help="this shard's .key_secret file: require CURVE")
-    parser.add_argument("--curve-allowed-clients", default=None,
-                        help="folder of allowed clients' public .key files")
-    parser.add_argument("--data-bind", default=None,
-                        help="with CURVE: the sealed data socket's address "
-                             "(default: --bind's host, a free port; give "
-                             "a restarted shard the one it printed)")
-    parser.add_argument("--deterministic-sums", action="store_true",
-                        help="add each clock's updates in worker order, not "
-                             "as they arrive: a job rerun on the same data "
-                             "ends with bit-identical parameters")
-    parser.add_argument("--no-shared-memory", action="store_true",
-                        help="never exchange rows with co-located workers "
-                             "through shared memory (also: "
-                             "KERAS_GEEPS_SHM=0)")
-    parser.add_argument("--log-level", default="WARNING")
-    return parser
-
-
-def _restore_folder(args):
-    """Folds `--restore DIR` into args.checkpoint_dir; args.restore becomes
-    a bool. (--restore may repeat: a launcher appends it on a restart.)"""
-    folders = {f for f in args.restore or () if isinstance(f, str)}
-    if args.checkpoint_dir is not None:
-        folders.add(args.checkpoint_dir)
-    if len({os.path.realpath(f) for f in folders}) > 1:
-        raise SystemExit(f"keras-geeps shard: --restore and "
-                         f"--checkpoint-dir name different folders "
-                         f"({', '.join(sorted(folders))}): a restored shard "
-                         f"goes on writing its checkpoints where it was "
-                         f"restored from")
-    if args.restore and folders and args.checkpoint_dir is None:
-        args.checkpoint_dir = folders.pop()
-    args.restore = bool(args.restore)
-
-
-def run_from_args(args):
-    """Runs a shard process from parsed flags until STOP or SIGTERM."""
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s "
-                               "%(message)s")
-    _restore_folder(args)
-    try:
-        settings = ShardSettings(
-            max_message_bytes=args.max_message_bytes,
-            max_tables=args.max_tables, max_table_bytes=args.max_table_bytes,
-            max_pending_clocks=args.max_pending_clocks,
-            checkpoint_dir=args.checkpoint_dir,
-            checkpoint_every=args.checkpoint_every,
-            worker_timeout=args.worker_timeout,
-            on_worker_failure=args.on_worker_failure,
-            shared_memory=False if args.no_shared_memory else None,
-            deterministic_sums=args.deterministic_sums)
-    except ValueError as exc:
-        raise SystemExit(f"keras-geeps shard: {exc}") from exc
-    if args.restore and not args.checkpoint_dir:
-        raise SystemExit("--restore needs --checkpoint-dir (the folder the "
-                         "shard wrote its checkpoints to) or a folder: "
-                         "--restore DIR")
-    curve = None
-    if args.curve_secret_key or args.curve_allowed_clients:
-        if not (args.curve_secret_key and args.curve_allowed_clients):
-            raise SystemExit("--curve-secret-key and --curve-allowed-clients"
-                             " go together")
-        curve = (args.curve_secret_key, args.curve_allowed_clients)
-    try:
-        server = ShardServer(args.bind, args.shard_id, args.num_shards,
-                             args.num_workers, settings, restore=args.restore,
-                             curve=curve, data_bind=args.data_bind)
-    except checkpoint.CheckpointError as exc:  # a missing, foreign or
-        raise SystemExit(f"keras-geeps shard: {exc}") from exc  # torn one
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.request_stop())
-    data = f" (sealed data {server.data_address})" \
-        if server.data_address else ""
-    print(f"keras_geeps shard {args.shard_id}/{args.num_shards} serving "
-          f"{server.address}{data}", flush=True)
-    started = time.monotonic()
-    server.serve_forever()
-    print(f"keras_geeps shard {args.shard_id} stopped after "
-          f"{time.monotonic() - started:.1f} s", flush=True)
-    return 0
-
-
-def main(argv=None):
-    """Entry point of `python -m keras_geeps.shard`."""
-    return run_from_args(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
