@@ -20,6 +20,7 @@ from keras_geeps.shard.tables import BufferPool, Pending, Table, Update
 
 log = logging.getLogger("keras_geeps.shard")
 
+# How long after the job's first HELLO (or a restore) a worker that never
 # said HELLO counts as dead, when it exceeds worker_timeout: room to start.
 STARTUP_GRACE_S = 60.0
 # How many CHECKPOINT requests may wait for the writer; more are refused.
