@@ -48,6 +48,13 @@ MAX_BURIED = 1024
 
 DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
 
+# The refusals of an UPDATE or CLOCK that is not of the worker's current
+# clock (`ShardServer._check_clock`).
+_UPDATE_OFF_CLOCK = ("worker {worker} sent an update of table {table} for "
+                     "clock {clk}, but its current clock is {current}")
+_CLOCK_OFF_CLOCK = ("worker {worker} finished clock {clk} of table {table}, "
+                    "but its current clock is {current}")
+
 
 def _opens_into_rows(message):
     """True for a sealed UPDATE whose one frame of rows may be opened
@@ -936,12 +943,7 @@ class ShardServer:
         # replay to a shard restored without it) holds the updates as
         # deltas: the clock waits for the rows anyway (`_maybe_advance`).
         worker, clk = message.worker, message.clk
-        current = int(table.vclock[worker])
-        if clk != current:
-            raise RequestError(f"worker {worker} sent an update of table "
-                               f"{table.id} for clock {clk}, but its current "
-                               f"clock is {current}")
-        self._check_ahead(table, worker, clk)
+        self._check_clock(table, worker, clk, _UPDATE_OFF_CLOCK)
         arrays = message.arrays
         indexed = message.meta.get("indexed", False)
         if indexed:
@@ -1125,9 +1127,15 @@ class ShardServer:
                 table.pool.discard(table.lent[2])
             table.lent = None
 
-    def _check_ahead(self, table, worker, clk):
-        """Refuses an UPDATE or CLOCK of a clock too far ahead of the
+    def _check_clock(self, table, worker, clk, off_clock):
+        """Refuses an UPDATE or CLOCK of `worker` at clock `clk` that is
+        not its current clock of `table` (`off_clock`: the error's format,
+        given worker, table, clk and current), or is too far ahead of the
         table's global clock (the client keeps its slack within it)."""
+        current = int(table.vclock[worker])
+        if clk != current:
+            raise RequestError(off_clock.format(
+                worker=worker, table=table.id, clk=clk, current=current))
         if clk - table.global_clock > self.settings.max_pending_clocks:
             raise RequestError(f"worker {worker} is {clk - table.global_clock}"
                                f" clocks ahead of table {table.id}'s global "
@@ -1139,12 +1147,7 @@ class ShardServer:
         if table is None:
             raise RequestError(f"clock of unknown table {message.table}")
         worker, clk = message.worker, message.clk
-        current = int(table.vclock[worker])
-        if clk != current:
-            raise RequestError(f"worker {worker} finished clock {clk} of "
-                               f"table {table.id}, but its current clock is "
-                               f"{current}")
-        self._check_ahead(table, worker, clk)
+        self._check_clock(table, worker, clk, _CLOCK_OFF_CLOCK)
         table.vclock[worker] = clk + 1
         self._send(identity, Message(MsgType.ACK, table=table.id,
                                      seq=message.seq))
