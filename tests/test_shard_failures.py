@@ -10,6 +10,7 @@ import zmq
 
 from keras_geeps import checkpoint, protocol
 from keras_geeps.shard import server as shard_module
+from keras_geeps.shard import writer as writer_module
 from keras_geeps.auth import keygen
 from keras_geeps.protocol import MsgType
 from keras_geeps.shard import ShardServer, ShardSettings
@@ -589,7 +590,7 @@ def test_checkpoint_requests_are_bounded_and_copy_within_the_limit(
         return real_write(*args)
 
     monkeypatch.setattr(shard_module.checkpoint, "write", slow_write)
-    limit = shard_module.MAX_CHECKPOINT_REQUESTS
+    limit = writer_module.MAX_CHECKPOINT_REQUESTS
     for _ in range(limit):
         peer.send(peer.message(MsgType.CHECKPOINT))
     refused = peer.ask(MsgType.CHECKPOINT)

@@ -29,6 +29,8 @@ The package, by layer:
   and the pool of row buffers they are made in;
 - `sessions`: what the shard knows of each worker's connection: the
   sequence numbers it has handled, and sealed data sessions;
+- `writer`: `CheckpointWriter`, which writes the checkpoints in a thread
+  beside the poll loop, retries failed writes and answers CHECKPOINT;
 - `server`: `ShardServer`, the poll loop and every request's handling;
 - `command`: the command line (`keras-geeps shard`).
 """

@@ -17,14 +17,13 @@ from keras_geeps.protocol import Message, MsgType, ProtocolError
 from keras_geeps.shard.sessions import SeqTracker, Session, user_id
 from keras_geeps.shard.settings import RequestError, ShardSettings
 from keras_geeps.shard.tables import BufferPool, Pending, Table, Update
+from keras_geeps.shard.writer import CheckpointWriter
 
 log = logging.getLogger("keras_geeps.shard")
 
 # How long after the job's first HELLO (or a restore) a worker that never
 # said HELLO counts as dead, when it exceeds worker_timeout: room to start.
 STARTUP_GRACE_S = 60.0
-# How many CHECKPOINT requests may wait for the writer; more are refused.
-MAX_CHECKPOINT_REQUESTS = 64
 # How long a stopping shard waits for the checkpoint being written.
 WRITER_JOIN_S = 60.0
 # The requests handled at most once per sequence number (a worker resends
@@ -35,8 +34,6 @@ WRITER_JOIN_S = 60.0
 # chunks do not push them out.
 ONCE_ONLY = frozenset({MsgType.CREATE, MsgType.UPDATE, MsgType.CLOCK})
 KEPT_ANSWERS = 1024
-# The longest wait before retrying a checkpoint whose write failed.
-WRITER_BACKOFF_MAX_S = 60.0
 # How long a bind to a port in use is retried (a restarted shard's port
 # can be briefly taken: a worker reconnecting to a free loopback port may
 # get it as its own source port, TCP self-connect, until ZeroMQ drops it).
@@ -122,15 +119,13 @@ class ShardServer:
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
         self._left = set()        # workers that closed their client (LEAVE)
-        self._left_written = frozenset()  # those the checkpoint file holds
         self._started = None      # first HELLO or restore: liveness watch
         self._restored_at = None  # a restore of a job under way: its time
         self._failed = None       # the error every request gets ("stop")
-        self._writer = None       # the checkpoint-writing thread
-        self._ckpt_requests = []  # (identity, seq) waiting for a CHECKPOINT
-        self._writer_acks = 0     # how many of them the writer covers
-        self._writer_backoff = 0.0  # after failed writes: seconds to wait
-        self._writer_retry_at = 0.0
+        # Writes the checkpoints, when there is a checkpoint_dir.
+        self._writer = None if not self.settings.checkpoint_dir else \
+            CheckpointWriter(self.settings.checkpoint_dir, shard_id,
+                             num_shards, num_workers)
         self._stop = threading.Event()
         self._thread = None
         self._shm_writers = {}    # worker id -> shm.PeerBuffers (updates)
@@ -168,8 +163,8 @@ class ShardServer:
                 self._arena = shm.Arena(role="shard")
             if restore:
                 self._restore()
-            elif self.settings.checkpoint_dir:
-                self._write_empty_checkpoint()
+            elif self._writer is not None:
+                self._writer.write_empty()
         except BaseException:  # nothing left open: no thread, no port
             self._close()
             raise
@@ -225,10 +220,6 @@ class ShardServer:
         finally:
             if self._writer is not None:
                 self._writer.join(WRITER_JOIN_S)
-                if self._writer.is_alive():
-                    log.error("shard %d: the checkpoint being written did "
-                              "not finish within %g s", self.shard_id,
-                              WRITER_JOIN_S)
             self._close()
             log.info("shard %d stopped", self.shard_id)
 
@@ -1281,12 +1272,8 @@ class ShardServer:
             table.snapshot = (clock, data.copy())
 
     def _checkpoint_request(self, identity, message):
-        if not self.settings.checkpoint_dir:
+        if self._writer is None:
             raise RequestError("this shard has no checkpoint_dir")
-        if len(self._ckpt_requests) >= MAX_CHECKPOINT_REQUESTS:
-            raise RequestError(f"{len(self._ckpt_requests)} checkpoint "
-                               f"requests already wait for the one being "
-                               f"written")
         # Copies only of tables that moved on since their snapshot (a
         # burst of requests copies nothing twice), and only within
         # max_table_bytes: a table with no snapshot of its own gains one.
@@ -1300,44 +1287,39 @@ class ShardServer:
                 f"({extra} bytes; max_table_bytes="
                 f"{self.settings.max_table_bytes}, {self._held_bytes()} "
                 f"bytes held)")
+        self._writer.request(identity, message.seq)  # or refuses it
         for table in stale:
             table.snapshot = (table.global_clock, table.data.copy())
-        self._ckpt_requests.append((identity, message.seq))
 
     def _housekeeping(self):
-        if self._writer is not None and not self._writer.is_alive():
-            written, ok = self._writer.written, self._writer.ok
-            if ok:
-                self._left_written = self._writer.left
-            self._writer = None
-            for table_id, clock in written.items():
+        if self._writer is not None:
+            self._checkpoint_turn(self._writer)
+        self._watch_workers()
+
+    def _checkpoint_turn(self, writer):
+        """Answers the requests a finished checkpoint write covered, and
+        starts the next write when a request, a newer snapshot or a change
+        of who left calls for one."""
+        done = writer.finished()
+        if done is not None:
+            for table_id, clock in done.written.items():
                 table = self._tables.get(table_id)
                 if table is not None:
                     table.ckpt_clock = max(table.ckpt_clock, clock)
-            self.stats["checkpoints"] += ok
-            # A failing disk is retried after 1, 2, 4 ... 60 s, not every
-            # turn of the loop.
-            self._writer_backoff = 0.0 if ok else min(
-                WRITER_BACKOFF_MAX_S, max(1.0, 2 * self._writer_backoff))
-            self._writer_retry_at = time.monotonic() + self._writer_backoff
-            for identity, seq in self._ckpt_requests[:self._writer_acks]:
-                self._send(identity, Message(MsgType.ACK, seq=seq) if ok
+            self.stats["checkpoints"] += done.ok
+            for identity, seq in done.requests:
+                self._send(identity, Message(MsgType.ACK, seq=seq) if done.ok
                            else Message(MsgType.ERROR, seq=seq, meta={
                                "error": "writing the checkpoint failed; "
                                         "see the shard's log"}))
-            del self._ckpt_requests[:self._writer_acks]
-        if self._writer is None and time.monotonic() >= \
-                self._writer_retry_at:
-            snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
-                         for t in self._tables.values()
-                         if t.snapshot is not None}
-            if self._ckpt_requests or any(
-                    clock > self._tables[tid].ckpt_clock
-                    for tid, (_, clock, _) in snapshots.items()) or (
-                        self.settings.checkpoint_dir and
-                        self._left != self._left_written):
-                self._start_writer(snapshots)
-        self._watch_workers()
+        if not writer.due():
+            return
+        snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
+                     for t in self._tables.values() if t.snapshot is not None}
+        if writer.requests or self._left != writer.left_written or any(
+                clock > self._tables[tid].ckpt_clock
+                for tid, (_, clock, _) in snapshots.items()):
+            writer.start(snapshots, self._left)
 
     def _watch_workers(self):
         """Declares dead the workers silent for longer than worker_timeout
@@ -1370,53 +1352,6 @@ class ShardServer:
                     f"{now - self._started:.0f} s after the job's start "
                     f"(or this shard's restore)"))
 
-    def _start_writer(self, snapshots):
-        """Writes `snapshots` (and who left) in a thread; the serve loop
-        goes on meanwhile."""
-        writer = threading.Thread(target=self._write_checkpoint,
-                                  args=(snapshots, sorted(self._left)),
-                                  daemon=True,
-                                  name=f"geeps-ckpt-{self.shard_id}")
-        writer.written, writer.ok = {}, False
-        writer.left = frozenset(self._left)
-        self._writer_acks = len(self._ckpt_requests)
-        self._writer = writer
-        writer.start()
-
-    def _write_checkpoint(self, snapshots, left):
-        try:
-            checkpoint.write(self.settings.checkpoint_dir, self.shard_id,
-                             self.num_shards, self.num_workers, snapshots,
-                             left)
-            writer = threading.current_thread()
-            writer.written = {tid: clock
-                              for tid, (_, clock, _) in snapshots.items()}
-            writer.ok = True
-        except OSError:
-            log.exception("shard %d: writing the checkpoint failed",
-                          self.shard_id)
-
-    def _write_empty_checkpoint(self):
-        """A checkpoint of no tables, written before serving: a shard killed
-        before it wrote any table restores empty (its workers then create
-        the tables again and replay), while --restore from a folder that
-        never held this shard's checkpoint still fails, naming it. A
-        checkpoint found there is kept as `<file>.previous`."""
-        directory = self.settings.checkpoint_dir
-        path = checkpoint.checkpoint_path(directory, self.shard_id,
-                                          self.num_shards)
-        try:
-            if os.path.exists(path):  # a restart that forgot --restore
-                os.replace(path, path + ".previous")
-                log.warning("shard %d: started without --restore; moved the "
-                            "checkpoint there to %s.previous", self.shard_id,
-                            path)
-            checkpoint.write(directory, self.shard_id, self.num_shards,
-                             self.num_workers, {})
-        except OSError as exc:
-            raise checkpoint.CheckpointError(
-                f"cannot write checkpoints to {directory}: {exc}") from exc
-
     def _restore(self):
         tables, left = checkpoint.load_job(
             self.settings.checkpoint_dir, self.shard_id, self.num_shards,
@@ -1443,7 +1378,7 @@ class ShardServer:
             self._tables[table_id] = table
         self._started = time.monotonic()
         self._left = set(left)
-        self._left_written = frozenset(left)
+        self._writer.left_written = frozenset(left)
         if any(t.global_clock > 0 for t in self._tables.values()):
             # Every worker had finished a clock: the live ones are running
             # and say HELLO within a heartbeat; the silence of the others

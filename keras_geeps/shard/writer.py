@@ -1,0 +1,162 @@
+"""`CheckpointWriter`: writes a shard's checkpoints beside its serve loop.
+
+One checkpoint is written at a time, in a thread, from snapshots the serve
+loop took (`Table.snapshot`), so serving goes on while the disk works. A
+write that fails is retried after 1, 2, 4 ... 60 s, not every turn of the
+loop. CHECKPOINT requests wait here for the next write that starts after
+them, and learn how it went from `finished`.
+"""
+
+import collections
+import logging
+import os
+import threading
+import time
+
+from keras_geeps import checkpoint
+from keras_geeps.shard.settings import RequestError
+
+log = logging.getLogger("keras_geeps.shard")
+
+# How many CHECKPOINT requests may wait for the writer; more are refused.
+MAX_CHECKPOINT_REQUESTS = 64
+# The longest wait before retrying a checkpoint whose write failed.
+WRITER_BACKOFF_MAX_S = 60.0
+
+# What a finished write did: `written` maps each table id it wrote to the
+# clock of that table's rows (empty when it failed); `ok` says it
+# succeeded; `requests` are the (identity, seq) of the CHECKPOINT requests
+# it answers.
+Written = collections.namedtuple("Written", "written ok requests")
+
+
+class CheckpointWriter:
+    """One shard's checkpoints in `directory`, written one at a time.
+
+    Args:
+        directory: the checkpoint folder (`checkpoint.checkpoint_path`
+            names this shard's file in it).
+        shard_id: this shard's index.
+        num_shards: the job's shard count.
+        num_workers: the job's worker count.
+
+    Example:
+
+    >>> import tempfile
+    >>> writer = CheckpointWriter(tempfile.mkdtemp(), shard_id=0,
+    ...                           num_shards=1, num_workers=2)
+    >>> writer.write_empty()  # before serving
+    >>> writer.request(b"worker-0", seq=7)  # a CHECKPOINT request
+    >>> writer.due()
+    True
+    >>> writer.start({}, left=())  # {table id: (spec, clock, rows)}
+    >>> writer.join(10)
+    >>> writer.finished()
+    Written(written={}, ok=True, requests=[(b'worker-0', 7)])
+    """
+
+    def __init__(self, directory, shard_id, num_shards, num_workers):
+        self.directory = directory
+        self.shard_id = shard_id
+        self.num_shards = num_shards
+        self.num_workers = num_workers
+        self.requests = []   # (identity, seq) waiting for a write
+        # The workers that left, as the last checkpoint written holds them.
+        self.left_written = frozenset()
+        self._thread = None
+        self._covers = 0     # how many of `requests` the write covers
+        self._backoff = 0.0  # after failed writes: seconds to wait
+        self._retry_at = 0.0
+
+    def request(self, identity, seq):
+        """Queues a CHECKPOINT request for the next write to answer.
+
+        Raises:
+            RequestError: MAX_CHECKPOINT_REQUESTS already wait.
+        """
+        if len(self.requests) >= MAX_CHECKPOINT_REQUESTS:
+            raise RequestError(f"{len(self.requests)} checkpoint requests "
+                               f"already wait for the one being written")
+        self.requests.append((identity, seq))
+
+    def due(self):
+        """Whether a write may start now: none is under way, and a failed
+        one's backoff has passed."""
+        return self._thread is None and time.monotonic() >= self._retry_at
+
+    def start(self, snapshots, left):
+        """Writes `snapshots` ({table id: (spec, clock, rows)}) and the
+        workers that `left` in a thread; it answers every request queued
+        so far."""
+        left = frozenset(left)
+        thread = threading.Thread(target=self._write,
+                                  args=(snapshots, sorted(left)),
+                                  daemon=True,
+                                  name=f"geeps-ckpt-{self.shard_id}")
+        thread.written, thread.ok, thread.left = {}, False, left
+        self._covers = len(self.requests)
+        self._thread = thread
+        thread.start()
+
+    def finished(self):
+        """The `Written` of a write that ended since the last call, else
+        None."""
+        thread = self._thread
+        if thread is None or thread.is_alive():
+            return None
+        self._thread = None
+        if thread.ok:
+            self.left_written = thread.left
+        self._backoff = 0.0 if thread.ok else min(
+            WRITER_BACKOFF_MAX_S, max(1.0, 2 * self._backoff))
+        self._retry_at = time.monotonic() + self._backoff
+        answered = self.requests[:self._covers]
+        del self.requests[:self._covers]
+        return Written(thread.written, thread.ok, answered)
+
+    def join(self, timeout):
+        """Waits up to `timeout` s for the write under way; logs one that
+        does not end in time."""
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("shard %d: the checkpoint being written did not "
+                      "finish within %g s", self.shard_id, timeout)
+
+    def _write(self, snapshots, left):
+        thread = threading.current_thread()
+        try:
+            checkpoint.write(self.directory, self.shard_id, self.num_shards,
+                             self.num_workers, snapshots, left)
+            thread.written = {tid: clock
+                              for tid, (_, clock, _) in snapshots.items()}
+            thread.ok = True
+        except OSError:
+            log.exception("shard %d: writing the checkpoint failed",
+                          self.shard_id)
+
+    def write_empty(self):
+        """Writes a checkpoint of no tables, before serving: a shard killed
+        before it wrote any table restores empty (its workers then create
+        the tables again and replay), while --restore from a folder that
+        never held this shard's checkpoint still fails, naming it. A
+        checkpoint found there is kept as `<file>.previous`.
+
+        Raises:
+            checkpoint.CheckpointError: the folder cannot be written.
+        """
+        path = checkpoint.checkpoint_path(self.directory, self.shard_id,
+                                          self.num_shards)
+        try:
+            if os.path.exists(path):  # a restart that forgot --restore
+                os.replace(path, path + ".previous")
+                log.warning("shard %d: started without --restore; moved the "
+                            "checkpoint there to %s.previous", self.shard_id,
+                            path)
+            checkpoint.write(self.directory, self.shard_id, self.num_shards,
+                             self.num_workers, {})
+        except OSError as exc:
+            raise checkpoint.CheckpointError(
+                f"cannot write checkpoints to {self.directory}: "
+                f"{exc}") from exc
