@@ -483,6 +483,11 @@ def test_a_shard_that_cannot_start_leaves_nothing_running(tmp_path):
         first._close()
 
 
+def test_a_shard_to_restore_without_a_checkpoint_dir_is_refused():
+    with pytest.raises(ValueError, match="needs settings.checkpoint_dir"):
+        ShardServer("tcp://127.0.0.1:0", 0, 1, 1, restore=True)
+
+
 def test_restored_rows_stay_their_checkpoints_rows_without_shared_memory(
         tmp_path):
     """A restored table's rows are also its snapshot until its next one.

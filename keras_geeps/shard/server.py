@@ -84,6 +84,14 @@ class ShardServer:
             Defaults to `bind`'s host on a free port (`data_address` tells
             which; a restarted shard must get the same one).
 
+    Raises:
+        ValueError: a shard_id outside [0, num_shards), no workers, or
+            `restore` without a `checkpoint_dir`.
+        checkpoint.CheckpointError: a checkpoint to restore that is
+            missing, unreadable or of another job, or a `checkpoint_dir`
+            that cannot be written.
+        zmq.ZMQError: `bind` (or `data_bind`) cannot be bound.
+
     Example:
 
     >>> server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1).start()
@@ -99,10 +107,14 @@ class ShardServer:
                              f"[0, {num_shards})")
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        settings = settings or ShardSettings()
+        if restore and not settings.checkpoint_dir:
+            raise ValueError("restore=True needs settings.checkpoint_dir: "
+                             "the folder the shard wrote its checkpoints to")
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.num_workers = num_workers
-        self.settings = settings or ShardSettings()
+        self.settings = settings
         # This process's number: a worker whose connection broke and came
         # back tells this shard from a restarted one by it (WELCOME).
         self.incarnation = int.from_bytes(os.urandom(6), "little")
