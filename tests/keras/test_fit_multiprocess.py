@@ -40,7 +40,8 @@ def _reference_weights(batch, steps, lr, ema=False):
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * batch)
     model = fit_worker.build_model()
     fit_worker.compile_model(model, "sgd", lr, 1, ema=ema)
-    model.fit(ds.take(steps), epochs=1, verbose=0)
+    if steps:  # (0: the initial weights)
+        model.fit(ds.take(steps), epochs=1, verbose=0, shuffle=False)
     return model.get_weights()
 
 
