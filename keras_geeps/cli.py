@@ -21,6 +21,10 @@ def _cmd_launch(args):
         print("keras-geeps launch: give the worker command after --",
               file=sys.stderr)
         return 2
+    if min(args.workers, args.shards) < 1:
+        print(f"keras-geeps launch: --workers and --shards must be >= 1, "
+              f"not {args.workers} and {args.shards}", file=sys.stderr)
+        return 2
     if min(args.checkpoint_every, args.shard_restarts, args.worker_restarts,
            args.job_restarts, args.worker_timeout) < 0:
         print("keras-geeps launch: --checkpoint-every, --shard-restarts, "

@@ -10,6 +10,7 @@ also when one of them fails (which it names, exiting non-zero).
 import codecs
 import ctypes
 import json
+import numbers
 import os
 import queue
 import re
@@ -221,6 +222,9 @@ class LocalCluster:
         shard_args: extra `keras-geeps shard` flags for subprocess shards.
             Defaults to none.
 
+    Raises:
+        ValueError: `num_shards` or `num_workers` is not an int >= 1.
+
     Example:
 
     ```python
@@ -232,6 +236,12 @@ class LocalCluster:
 
     def __init__(self, num_shards=1, num_workers=1, processes=False,
                  settings=None, output=sys.stderr, shard_args=()):
+        for what, count in (("num_shards", num_shards),
+                            ("num_workers", num_workers)):
+            if isinstance(count, bool) or \
+                    not isinstance(count, numbers.Integral) or count < 1:
+                raise ValueError(f"{what} must be an int >= 1, not "
+                                 f"{count!r}")
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.processes = processes

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from keras_geeps.launch import check_restarts, launch
+from keras_geeps.launch import LocalCluster, check_restarts, launch
 
 
 def _cli(*args, timeout=60):
@@ -92,6 +92,30 @@ def test_launch_requires_a_command():
     result = _cli("launch", "--workers", "1", "--shards", "1")
     assert result.returncode == 2
     assert "give the worker command" in result.stderr
+
+
+def test_launch_and_shard_refuse_counts_that_cannot_be():
+    """No shards, no workers or a shard id outside the job: one line
+    saying so, no traceback, nothing started."""
+    for workers, shards in (("2", "0"), ("0", "1")):
+        result = _cli("launch", "--workers", workers, "--shards", shards,
+                      "--", "true")
+        assert result.returncode == 2
+        assert result.stderr.strip() == (
+            f"keras-geeps launch: --workers and --shards must be >= 1, "
+            f"not {workers} and {shards}")
+    for (shard, workers), problem in (
+            (("2", "1"), "shard_id 2 is not in [0, 2)"),
+            (("0", "0"), "num_workers must be >= 1, got 0")):
+        result = _cli("shard", "--bind", "tcp://127.0.0.1:0", "--shard-id",
+                      shard, "--num-shards", "2", "--num-workers", workers)
+        assert result.returncode == 1
+        assert result.stderr.strip().endswith(f"keras-geeps shard: {problem}")
+        assert "Traceback" not in result.stderr
+    for shards, workers in ((0, 1), (-1, 1), (1, 0), (1.5, 1), (True, 1)):
+        with pytest.raises(ValueError, match="must be an int >= 1"):
+            LocalCluster(shards, workers)
+    LocalCluster(np.int64(1), np.int64(1)).stop()  # any integral type
 
 
 def _launch(tmp_path, source, workers, shards):

@@ -111,8 +111,10 @@ def run_from_args(args):
         server = ShardServer(args.bind, args.shard_id, args.num_shards,
                              args.num_workers, settings, restore=args.restore,
                              curve=curve, data_bind=args.data_bind)
-    except checkpoint.CheckpointError as exc:  # a missing, foreign or
-        raise SystemExit(f"keras-geeps shard: {exc}") from exc  # torn one
+    except (checkpoint.CheckpointError, ValueError) as exc:
+        # a missing, foreign or torn checkpoint; a shard id or a worker
+        # count that does not fit the job
+        raise SystemExit(f"keras-geeps shard: {exc}") from exc
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.request_stop())
     data = f" (sealed data {server.data_address})" \
