@@ -78,8 +78,20 @@ def load_keypair(path):
 
     Returns:
         (public, secret) as bytes (Z85-encoded).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file holds no CURVE key.
     """
-    public, secret = zmq.auth.load_certificate(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"CURVE key file {path} does not exist "
+                                f"(`keras-geeps keygen` writes them)")
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:  # pyzmq: OSError, "Invalid ..."
+        raise ValueError(f"{path} is not a CURVE key file "
+                         f"(`keras-geeps keygen` writes them): {exc}") \
+            from exc
     return public, secret
 
 

@@ -73,7 +73,10 @@ def _ask_all(args, msg_type):
     from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
     from keras_geeps.errors import GeePSTimeoutError  # noqa: PLC0415
     from keras_geeps.protocol import Message  # noqa: PLC0415
-    spec = ClusterSpec(args.shards.split(","))
+    try:
+        spec = ClusterSpec(args.shards.split(","))
+    except ValueError as exc:
+        raise SystemExit(f"keras-geeps {args.cmd}: {exc}") from exc
     timeout = args.timeout
     curve = None
     if args.curve_secret_key or args.curve_server_key:
@@ -81,7 +84,10 @@ def _ask_all(args, msg_type):
             raise SystemExit("--curve-secret-key and --curve-server-key go "
                              "together")
         from keras_geeps.auth import ClientKeys  # noqa: PLC0415
-        curve = ClientKeys(args.curve_secret_key, args.curve_server_key)
+        try:
+            curve = ClientKeys(args.curve_secret_key, args.curve_server_key)
+        except ValueError as exc:  # (a missing file: OSError, in main)
+            raise SystemExit(f"keras-geeps {args.cmd}: {exc}") from exc
     io = IOThread(spec.shards, lambda *_: None, name="geeps-admin",
                   curve=curve)
     try:
@@ -228,7 +234,13 @@ def build_parser():
 def main(argv=None):
     """Entry point of the `keras-geeps` console command."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    from keras_geeps.errors import GeePSError  # noqa: PLC0415
+    try:
+        return args.func(args)
+    except (GeePSError, OSError) as exc:  # a shard that does not answer,
+        # or refuses; a key file that cannot be read: said in one line
+        print(f"keras-geeps {args.cmd}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ class ClusterSpec:
         num_workers: number of workers in the job.
         worker_id: this worker's index in [0, num_workers).
 
+    Raises:
+        ValueError: no shards, an address that is not a TCP host and port,
+            no workers, or a worker_id outside [0, num_workers).
+
     Example:
 
     >>> spec = ClusterSpec(["127.0.0.1:7000", "127.0.0.1:7001"], 2, 0)
@@ -99,7 +103,19 @@ class ClusterSpec:
 
 
 def _as_zmq_address(address):
-    return address if "://" in address else f"tcp://{address}"
+    """"host:port" or "tcp://host:port" as "tcp://host:port".
+
+    Raises:
+        ValueError: naming an address that is not a TCP host and port.
+    """
+    full = address if "://" in address else f"tcp://{address}"
+    scheme, _, rest = full.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not host or not port.isdigit() or \
+            not 0 < int(port) < 65536:
+        raise ValueError(f"shard address {address!r} is not host:port or "
+                         f"tcp://host:port with a port in [1, 65535]")
+    return full
 
 
 class RowPartitioner:

@@ -118,6 +118,36 @@ def test_launch_and_shard_refuse_counts_that_cannot_be():
     LocalCluster(np.int64(1), np.int64(1)).stop()  # any integral type
 
 
+def test_admin_commands_and_shard_say_bad_input_in_one_line(tmp_path):
+    """A bad address, a shard that does not answer, a key file missing or
+    not a key, a bind that fails: one line naming it, exit 1."""
+    bad_key = tmp_path / "bad.key_secret"
+    bad_key.write_text("not a key\n")
+    shard = ("shard", "--shard-id", "0", "--num-shards", "1",
+             "--num-workers", "1")
+    for args, line in (
+            (("stats", "--shards", "nohost"), "keras-geeps stats: shard "
+             "address 'nohost' is not host:port"),
+            (("stop", "--shards", "127.0.0.1:9", "--timeout", "0.5"),
+             "keras-geeps stop: shard 0 (tcp://127.0.0.1:9) did not answer "
+             "within 0.5 s"),
+            (("checkpoint", "--shards", "127.0.0.1:9", "--curve-secret-key",
+              str(tmp_path / "none.key_secret"), "--curve-server-key",
+              str(bad_key)), f"keras-geeps checkpoint: CURVE key file "
+             f"{tmp_path / 'none.key_secret'} does not exist"),
+            (("stats", "--shards", "127.0.0.1:9", "--curve-secret-key",
+              str(bad_key), "--curve-server-key", str(bad_key)),
+             f"keras-geeps stats: {bad_key} is not a CURVE key file"),
+            ((*shard, "--bind", "tcp://nowhere"), "keras-geeps shard: "),
+            ((*shard, "--curve-secret-key", str(bad_key),
+              "--curve-allowed-clients", str(tmp_path)),
+             f"keras-geeps shard: {bad_key} is not a CURVE key file")):
+        result = _cli(*args)
+        assert result.returncode == 1, (args, result.stderr)
+        assert result.stderr.startswith(line), (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def _launch(tmp_path, source, workers, shards):
     """`keras-geeps launch` of `source` as each worker's script."""
     script = tmp_path / "w.py"

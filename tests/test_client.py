@@ -39,6 +39,16 @@ def test_cluster_spec_from_tf_config():
         ClusterSpec.from_tf_config({"cluster": {"worker": ["w:1"]}})
 
 
+def test_cluster_spec_names_an_address_that_is_not_tcp_host_port():
+    assert ClusterSpec(["[::1]:7000", "tcp://h:65535"]).shards == [
+        "tcp://[::1]:7000", "tcp://h:65535"]
+    for bad in ("h", "h:", ":7000", "h:0", "h:65536", "h:x", "ipc:///tmp/s",
+                "tcp://h"):
+        with pytest.raises(ValueError, match=f"shard address '{bad}' is "
+                                             f"not host:port"):
+            ClusterSpec(["h:1", bad])
+
+
 def test_bsp_sums_over_two_shards(thread_cluster):
     cluster = thread_cluster(2, 3)
     init = np.arange(700 * 100, dtype=np.float32).reshape(700, 100)

@@ -7,6 +7,8 @@ import os
 import signal
 import time
 
+import zmq
+
 from keras_geeps import checkpoint
 from keras_geeps.shard.server import ShardServer
 from keras_geeps.shard.settings import ShardSettings
@@ -111,9 +113,11 @@ def run_from_args(args):
         server = ShardServer(args.bind, args.shard_id, args.num_shards,
                              args.num_workers, settings, restore=args.restore,
                              curve=curve, data_bind=args.data_bind)
-    except (checkpoint.CheckpointError, ValueError) as exc:
+    except (checkpoint.CheckpointError, ValueError, OSError,
+            zmq.ZMQError) as exc:
         # a missing, foreign or torn checkpoint; a shard id or a worker
-        # count that does not fit the job
+        # count that does not fit the job; a key file that cannot be
+        # read; an address that cannot be bound
         raise SystemExit(f"keras-geeps shard: {exc}") from exc
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: server.request_stop())
