@@ -49,6 +49,30 @@ def test_cluster_spec_names_an_address_that_is_not_tcp_host_port():
             ClusterSpec(["h:1", bad])
 
 
+def test_client_names_bad_settings_and_unknown_tables(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout must be > 0"):
+            cluster.client(0, timeout=bad)
+    with pytest.raises(ValueError, match="slack must be >= 0, got -1"):
+        cluster.client(0, slack=-1)
+    with cluster.client(0, timeout=5) as client:
+        client.create_table("b", 2, 2)
+        client.create_table("a", 2, 2)
+        for call in (lambda: client.table("nope"),
+                     lambda: client.read("nope"),
+                     lambda: client.update("nope", np.ones((2, 2))),
+                     lambda: client.clock(["a", "nope"])):
+            with pytest.raises(KeyError, match=r"worker 0 has no table "
+                                               r"'nope' \(its tables: "
+                                               r"\['a', 'b'\]\)"):
+                call()
+        assert [t.clock for t in client.tables] == [0, 0]  # none clocked
+        client.clock()
+        np.testing.assert_array_equal(client.read("a", clock=1),
+                                      np.zeros((2, 2)))
+
+
 def test_bsp_sums_over_two_shards(thread_cluster):
     cluster = thread_cluster(2, 3)
     init = np.arange(700 * 100, dtype=np.float32).reshape(700, 100)

@@ -116,8 +116,8 @@ class GeePSClient:
         cluster: a `ClusterSpec`; defaults to `ClusterSpec.from_env()`
             (keras_geeps' launcher variables, else `TF_CONFIG`).
         slack: staleness bound; 0 = BSP (default), s > 0 = SSP.
-        timeout: seconds any wait may take before `GeePSTimeoutError`.
-            Defaults to 120.
+        timeout: seconds any wait may take before `GeePSTimeoutError`
+            (> 0). Defaults to 120.
         read_my_writes: if True, a worker's reads include its own updates at
             once, replayed on top of the shards' data. Defaults to False.
         initializer: the worker whose initial values create tables.
@@ -163,6 +163,9 @@ class GeePSClient:
         if slack < 0:
             raise ValueError(f"slack must be >= 0, got {slack}")
         self.slack = int(slack)
+        if not float(timeout) > 0:
+            raise ValueError(f"timeout must be > 0 seconds (every wait is "
+                             f"bounded), got {timeout}")
         self.timeout = float(timeout)
         self.read_my_writes = read_my_writes
         self.initializer = initializer
@@ -660,8 +663,16 @@ class GeePSClient:
         return messages
 
     def table(self, name):
-        """Returns the table called `name`."""
-        return self._by_name[name]
+        """Returns the table called `name`.
+
+        Raises:
+            KeyError: naming the tables this worker has.
+        """
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"worker {self.worker_id} has no table {name!r} "
+                           f"(its tables: {sorted(self._by_name)})") from None
 
     @property
     def tables(self):
@@ -1190,7 +1201,7 @@ class GeePSClient:
         if isinstance(what, AccessHandle):
             return what
         if isinstance(what, str):
-            what = self._by_name[what]
+            what = self.table(what)
         if isinstance(what, Table):
             return what.all_rows
         raise TypeError(f"expected a Table, a table name or an AccessHandle,"
@@ -1436,13 +1447,15 @@ class GeePSClient:
             tables: the tables (or names) to clock; defaults to all. GeePS
                 clocks tables separately so each layer's update can leave
                 as soon as it is ready.
+
+        Raises:
+            KeyError: a name of no table (then no table is clocked).
         """
         self._raise_async_errors()
-        if tables is None:
-            tables = self._tables
+        # (every name is looked up first: one unknown clocks none)
+        tables = self._tables if tables is None else [
+            self.table(t) if isinstance(t, str) else t for t in tables]
         for table in tables:
-            if isinstance(table, str):
-                table = self._by_name[table]
             if self._keep_log and len(table.log) >= self._max_log_clocks:
                 self._wait_for_checkpoint(table)
             with self._clock_lock:  # a replay sees every clock whole or not
