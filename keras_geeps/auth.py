@@ -25,6 +25,19 @@ def require_curve():
                            "install pyzmq's wheels (they bundle libsodium)")
 
 
+# A key pair's name: a file name stem, never a path.
+_KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def check_key_name(name):
+    """Raises ValueError unless `name` can name a key pair: 1-100 letters,
+    digits, "_", "." or "-", not starting with "." or "-" (so never a path
+    or a hidden file)."""
+    if not isinstance(name, str) or not _KEY_NAME.match(name):
+        raise ValueError(f"key name {name!r} must be 1-100 letters, digits, "
+                         f"'_', '.' or '-', starting with a letter or digit")
+
+
 def keygen(directory, name, overwrite=False):
     """Writes `<name>.key` (public) and `<name>.key_secret` into `directory`.
 
@@ -43,6 +56,8 @@ def keygen(directory, name, overwrite=False):
 
     Raises:
         FileExistsError: the pair exists and `overwrite` is False.
+        ValueError: a `name` that is not a plain file name stem
+            (`check_key_name`).
 
     Example:
 
@@ -53,6 +68,7 @@ def keygen(directory, name, overwrite=False):
     '0o600'
     """
     require_curve()
+    check_key_name(name)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     paths = [os.path.join(directory, f"{name}.key{suffix}")
              for suffix in ("", "_secret")]

@@ -129,7 +129,13 @@ def _cmd_checkpoint(args):
 
 
 def _cmd_keygen(args):
-    from keras_geeps.auth import keygen  # noqa: PLC0415
+    from keras_geeps.auth import check_key_name, keygen  # noqa: PLC0415
+    try:  # every name first: a bad one writes no pair
+        for name in args.names:
+            check_key_name(name)
+    except ValueError as exc:
+        print(f"keras-geeps keygen: {exc}", file=sys.stderr)
+        return 2
     for name in args.names:
         try:
             public, secret = keygen(args.directory, name,

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from keras_geeps.auth import keygen
 from keras_geeps.launch import LocalCluster, check_restarts, launch
 
 
@@ -395,6 +396,21 @@ def test_keygen_writes_private_secrets_and_keeps_existing_keys(tmp_path):
     assert (keys / "shard.key").read_bytes() == before
     assert _cli("keygen", "--force", str(keys), "shard").returncode == 0
     assert (keys / "shard.key").read_bytes() != before
+
+
+def test_keygen_refuses_names_that_are_paths_and_writes_nothing(tmp_path):
+    keys = tmp_path / "keys"
+    for name in ("../evil", "", ".hidden", "a/b", "x" * 101):
+        result = _cli("keygen", str(keys), "fine", name)
+        assert result.returncode == 2, (name, result.stderr)
+        assert result.stderr.startswith(
+            f"keras-geeps keygen: key name {name!r} must be"), result.stderr
+    assert not keys.exists() and not list(tmp_path.iterdir())
+    for name in ("../x", "-x", None):
+        with pytest.raises(ValueError, match=f"key name {name!r} must be"):
+            keygen(str(keys), name)
+    assert not keys.exists()
+    assert _cli("keygen", str(keys), "w.0_a-1").returncode == 0
 
 
 def _alive(pid):
