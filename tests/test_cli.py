@@ -56,7 +56,20 @@ def test_shard_restore_without_a_checkpoint_fails_in_one_line(tmp_path):
                   "--num-workers", "1", "--checkpoint-dir", str(tmp_path),
                   "--checkpoint-every", "-2")
     assert result.returncode == 1
-    assert "checkpoint_every must be >= 0, not -2" in result.stderr
+    assert "checkpoint_every must be an int >= 0, not -2" in result.stderr
+    for flag, value, problem in (
+            ("--max-message-bytes", "-5", "max_message_bytes must be an "
+             "int >= 1, not -5"),
+            ("--max-tables", "0", "max_tables must be an int >= 1, not 0"),
+            ("--max-pending-clocks", "-1", "max_pending_clocks must be an "
+             "int >= 0, not -1"),
+            ("--worker-timeout", "-1", "worker_timeout must be >= 0 "
+             "seconds")):
+        result = _cli("shard", "--shard-id", "0", "--num-shards", "1",
+                      "--num-workers", "1", flag, value)
+        assert result.returncode == 1, (flag, result.stderr)
+        assert result.stderr.startswith(f"keras-geeps shard: {problem}"), \
+            result.stderr
 
 
 def test_shard_restore_dir_restores_from_and_checkpoints_to_dir(

@@ -483,6 +483,25 @@ def test_a_shard_that_cannot_start_leaves_nothing_running(tmp_path):
         first._close()
 
 
+def test_settings_out_of_range_are_named():
+    for kwargs, problem in (
+            ({"max_table_bytes": 0}, "max_table_bytes must be an int >= 1"),
+            ({"chunk_bytes": 1.5}, "chunk_bytes must be an int >= 1, not "
+                                   "1.5"),
+            ({"max_tables": True}, "max_tables must be an int >= 1, not "
+                                   "True"),
+            ({"poll_timeout_ms": 0}, "poll_timeout_ms must be an int >= 1"),
+            ({"max_held_buffers": -1}, "max_held_buffers must be an int >= "
+                                       "0"),
+            ({"worker_timeout": float("nan")}, "worker_timeout must be >= "
+                                               "0 seconds")):
+        with pytest.raises(ValueError, match=problem):
+            ShardSettings(**kwargs)
+    settings = ShardSettings(max_pending_clocks=0, max_held_buffers=0,
+                             max_message_bytes=np.int64(1 << 20))
+    assert (settings.max_pending_clocks, settings.max_held_buffers) == (0, 0)
+
+
 def test_a_shard_to_restore_without_a_checkpoint_dir_is_refused():
     with pytest.raises(ValueError, match="needs settings.checkpoint_dir"):
         ShardServer("tcp://127.0.0.1:0", 0, 1, 1, restore=True)

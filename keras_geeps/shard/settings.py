@@ -1,6 +1,14 @@
 """A shard's limits and tuning, and the error of a refused request."""
 
+import numbers
+
 from keras_geeps import protocol, shm
+
+
+def _check_count(name, value, least):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+            or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, not {value!r}")
 
 
 class ShardSettings:
@@ -55,6 +63,11 @@ class ShardSettings:
             numbered below its sender has not finished the clock) is held,
             counted against max_table_bytes, until it has; so are updates
             of clocks ahead of the table's (SSP). Defaults to False.
+
+    Raises:
+        ValueError: naming a setting out of its range (a limit or size
+            below 1, max_pending_clocks, max_held_buffers, checkpoint_every
+            or worker_timeout below 0) or two that do not go together.
     """
 
     def __init__(self, max_message_bytes=1 << 30, max_tables=4096,
@@ -66,12 +79,23 @@ class ShardSettings:
                  on_worker_failure="stop", shared_memory=None,
                  max_held_buffers=4, lend_buffers=True,
                  deterministic_sums=False):
+        for name, value, least in (
+                ("max_message_bytes", max_message_bytes, 1),
+                ("max_tables", max_tables, 1),
+                ("max_table_bytes", max_table_bytes, 1),
+                ("max_pending_clocks", max_pending_clocks, 0),
+                ("max_parked_reads", max_parked_reads, 1),
+                ("chunk_bytes", chunk_bytes, 1),
+                ("poll_timeout_ms", poll_timeout_ms, 1),
+                ("checkpoint_every", checkpoint_every, 0),
+                ("max_held_buffers", max_held_buffers, 0)):
+            _check_count(name, value, least)
+        if not float(worker_timeout) >= 0:
+            raise ValueError(f"worker_timeout must be >= 0 seconds (0: not "
+                             f"watched), not {worker_timeout!r}")
         if on_worker_failure not in ("stop", "continue"):
             raise ValueError(f"on_worker_failure must be 'stop' or "
                              f"'continue', not {on_worker_failure!r}")
-        if checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be >= 0, not "
-                             f"{checkpoint_every}")
         if checkpoint_every and not checkpoint_dir:
             raise ValueError("checkpoint_every needs a checkpoint_dir")
         if checkpoint_every > max_pending_clocks + 1:
