@@ -154,6 +154,10 @@ class _TwoPhase(keras.Model):
         self.a = keras.layers.Dense(4, activation="tanh", name="a")
         self.b = keras.layers.Dense(2, name="b")
 
+    def build(self, input_shape):
+        self.a.build(input_shape)
+        self.b.build((*input_shape[:-1], 4))
+
     def call(self, x):
         return self.b(self.a(x))
 
