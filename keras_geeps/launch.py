@@ -10,7 +10,6 @@ also when one of them fails (which it names, exiting non-zero).
 import codecs
 import ctypes
 import json
-import numbers
 import os
 import queue
 import re
@@ -21,6 +20,7 @@ import sys
 import threading
 import time
 
+from keras_geeps.checks import check_count
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 
@@ -236,12 +236,8 @@ class LocalCluster:
 
     def __init__(self, num_shards=1, num_workers=1, processes=False,
                  settings=None, output=sys.stderr, shard_args=()):
-        for what, count in (("num_shards", num_shards),
-                            ("num_workers", num_workers)):
-            if isinstance(count, bool) or \
-                    not isinstance(count, numbers.Integral) or count < 1:
-                raise ValueError(f"{what} must be an int >= 1, not "
-                                 f"{count!r}")
+        check_count("num_shards", num_shards, least=1)
+        check_count("num_workers", num_workers, least=1)
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.processes = processes

@@ -1,14 +1,7 @@
 """A shard's limits and tuning, and the error of a refused request."""
 
-import numbers
-
 from keras_geeps import protocol, shm
-
-
-def _check_count(name, value, least):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
-            or value < least:
-        raise ValueError(f"{name} must be an int >= {least}, not {value!r}")
+from keras_geeps.checks import check_count
 
 
 class ShardSettings:
@@ -89,7 +82,7 @@ class ShardSettings:
                 ("poll_timeout_ms", poll_timeout_ms, 1),
                 ("checkpoint_every", checkpoint_every, 0),
                 ("max_held_buffers", max_held_buffers, 0)):
-            _check_count(name, value, least)
+            check_count(name, value, least)
         if not float(worker_timeout) >= 0:
             raise ValueError(f"worker_timeout must be >= 0 seconds (0: not "
                              f"watched), not {worker_timeout!r}")
