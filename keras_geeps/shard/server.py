@@ -24,8 +24,6 @@ log = logging.getLogger("keras_geeps.shard")
 # How long after the job's first HELLO (or a restore) a worker that never
 # said HELLO counts as dead, when it exceeds worker_timeout: room to start.
 STARTUP_GRACE_S = 60.0
-# How long a stopping shard waits for the checkpoint being written.
-WRITER_JOIN_S = 60.0
 # The requests handled at most once per sequence number (a worker resends
 # them after its connection broke), and how many of a worker's latest
 # answers to them that say more than a bare ACK would (a refusal; a
@@ -231,7 +229,7 @@ class ShardServer:
                         self._drain(sock, dispatch)
         finally:
             if self._writer is not None:
-                self._writer.join(WRITER_JOIN_S)
+                self._writer.join()
             self._close()
             log.info("shard %d stopped", self.shard_id)
 

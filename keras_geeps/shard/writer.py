@@ -22,6 +22,8 @@ log = logging.getLogger("keras_geeps.shard")
 MAX_CHECKPOINT_REQUESTS = 64
 # The longest wait before retrying a checkpoint whose write failed.
 WRITER_BACKOFF_MAX_S = 60.0
+# How long a stopping shard waits for the checkpoint being written.
+WRITER_JOIN_S = 60.0
 
 # What a finished write did: `written` maps each table id it wrote to the
 # clock of that table's rows (empty when it failed); `ok` says it
@@ -114,9 +116,9 @@ class CheckpointWriter:
         del self.requests[:self._covers]
         return Written(thread.written, thread.ok, answered)
 
-    def join(self, timeout):
-        """Waits up to `timeout` s for the write under way; logs one that
-        does not end in time."""
+    def join(self, timeout=WRITER_JOIN_S):
+        """Waits up to `timeout` s (default WRITER_JOIN_S) for the write
+        under way; logs one that does not end in time."""
         if self._thread is None:
             return
         self._thread.join(timeout)
