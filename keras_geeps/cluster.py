@@ -111,7 +111,8 @@ def _as_zmq_address(address):
     full = address if "://" in address else f"tcp://{address}"
     scheme, _, rest = full.partition("://")
     host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not host or not port.isdigit() or \
+    if scheme != "tcp" or not host or not (port.isascii() and
+                                           port.isdigit()) or \
             not 0 < int(port) < 65536:
         raise ValueError(f"shard address {address!r} is not host:port or "
                          f"tcp://host:port with a port in [1, 65535]")

@@ -42,8 +42,8 @@ def test_cluster_spec_from_tf_config():
 def test_cluster_spec_names_an_address_that_is_not_tcp_host_port():
     assert ClusterSpec(["[::1]:7000", "tcp://h:65535"]).shards == [
         "tcp://[::1]:7000", "tcp://h:65535"]
-    for bad in ("h", "h:", ":7000", "h:0", "h:65536", "h:x", "ipc:///tmp/s",
-                "tcp://h"):
+    for bad in ("h", "h:", ":7000", "h:0", "h:65536", "h:x", "h:\u00b2",
+                "ipc:///tmp/s", "tcp://h"):
         with pytest.raises(ValueError, match=f"shard address '{bad}' is "
                                              f"not host:port"):
             ClusterSpec(["h:1", bad])
