@@ -61,7 +61,7 @@ def test_a_peer_whose_process_died_is_not_alive():
             peer.view([ref[0], 999, 0, 16])  # alive: a bad reference
     finally:
         owner.kill()
-        owner.wait()
+        owner.communicate()  # waits, and closes its pipes
     assert not peer.alive()
     with pytest.raises(ValueError, match="cannot map"):
         peer.view([ref[0] + 1, ref[1], 0, 16])

@@ -168,7 +168,10 @@ def test_dead_worker_stops_the_others_with_a_clear_error(tmp_path):
                       "--timeout", "15", "--epochs", "3"],
             env=worker_env(cluster.spec(w)), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT) for w in range(2)]
-        assert procs[1].wait(120) == 7  # died on purpose
+        # (communicate: its output is read, so a full pipe never blocks
+        # it, and closed)
+        procs[1].communicate(timeout=120)
+        assert procs[1].returncode == 7  # died on purpose
         died = time.monotonic()
         output, _ = procs[0].communicate(timeout=120)
         assert procs[0].returncode != 0
