@@ -28,6 +28,7 @@ from keras_geeps import protocol, seal, shm
 from keras_geeps.client.access import (AccessHandle, AccessPlan,
                                        VirtualIteration)
 from keras_geeps.client.connection import CLOSED, Future, IOThread
+from keras_geeps.client.recovery import ShardRecovery
 from keras_geeps.client.table import PartRows, SealedRows, Table, no_push
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import (GeePSError, GeePSTimeoutError,
@@ -36,10 +37,6 @@ from keras_geeps.protocol import Message, MsgType
 
 log = logging.getLogger("keras_geeps.client")
 
-# A recovery whose HELLO has no answer after this long says HELLO again:
-# the shard that took it may have died too, and its successor, which
-# refuses everything before a HELLO, would never answer the old one.
-RECOVERY_HELLO_RETRY_S = 5.0
 # How long `close` waits for the shards to take its LEAVE (at most the
 # client's timeout).
 LEAVE_WAIT_S = 5.0
@@ -73,25 +70,6 @@ class _Delivery:
         self.regions = regions
         self.filling = {}  # part -> [age, rows placed] of the arriving push
         self.done = {}     # part -> age of the push its region holds whole
-
-
-class _RecoveryAttempt:
-    """One try at recovering a restarted shard: when its HELLO was sent,
-    whether the shard answered it (a WELCOME, or a refusal), and the
-    futures of its requests (forgotten if it is given up)."""
-
-    __slots__ = ("started", "answered", "futures")
-
-    def __init__(self):
-        self.started = time.monotonic()
-        self.answered = False
-        self.futures = []
-
-    def future(self, callback):
-        """A `Future` for one of this attempt's requests."""
-        future = Future(callback)
-        self.futures.append(future)
-        return future
 
 
 def _close_at_exit(client):
@@ -188,21 +166,12 @@ class GeePSClient:
         self.rejoined_at = None
         self.access_plan = AccessPlan()
         self._clock_lock = threading.Lock()  # clock() vs a recovery replay
-        self._recovering = {}  # shard -> DECLAREs still to be answered
-        self._attempts = {}    # shard -> its recovery's _RecoveryAttempt
-        self._boundaries = {}  # (shard, table id) -> first clock not replayed
         self._curve = curve
         self._closed = False
         self._lost = {}  # shard -> why its tables are gone (restarted)
         self._shard_incarnations = {}  # shard -> its process's number
         self._watching = set()  # shards that declare silent workers dead
-        # shard -> {(table id, part)} whose replay its restart recovery has
-        # still to send (while that recovery is under way)
-        self._restoring = {}
-        # shard -> futures of a finished recovery's (or reconnect's)
-        # requests, forgotten at the next: a shard that restarts again never
-        # answers them
-        self._finished_futures = {}
+        self._recovery = ShardRecovery(self)  # of shards that restarted
         self._job_failed = None  # the first unasked worker_dead error
         self._shm_peers = {}   # shard -> (shm.PeerBuffers, its arena token)
         self._shm_upload = set()  # shards that map our update buffers
@@ -364,8 +333,7 @@ class GeePSClient:
 
     def _on_io_turn(self):
         self._flush_releases()
-        if self._attempts:
-            self._retry_unanswered_recoveries()
+        self._recovery.retry_unanswered()
 
     def _flush_releases(self):
         """Tells shards which of their buffers this worker let go of."""
@@ -864,15 +832,10 @@ class GeePSClient:
                 future.set(error=self._job_failed)
             return
         if code == protocol.ERROR_HELLO_REQUIRED:
-            # Stale requests after a restart land here. Once the shard has
-            # welcomed this recovery's HELLO, it knows this worker: a refusal
-            # after the WELCOME (replies come in order) is from a shard that
-            # restarted again, so the recovery starts over.
-            attempt = self._attempts.get(shard)
-            self._recover(shard, again=attempt is not None
-                          and attempt.answered)
+            # Stale requests after a restart land here.
+            self._recovery.begin(shard)
             if future is not None:
-                self._resend_after_recovery(shard, future)
+                self._recovery.resend_after(shard, future)
             return
         error = (GeePSWorkerFailedError(f"shard {shard}: {text}")
                  if code == protocol.ERROR_WORKER_DEAD
@@ -886,28 +849,11 @@ class GeePSClient:
         with self._cond:
             self._cond.notify_all()
 
-    def _resend_after_recovery(self, shard, future):
-        """A request a restarted shard refused (it had not seen this
-        worker's HELLO): sent again once the shard is recovered, or failed
-        at once with the reason it cannot be (I/O thread)."""
-        if shard in self._lost:
-            future.set(error=GeePSError(self._lost[shard]))
-        elif future.callback is not None:
-            pass  # a recovery's own request: that recovery started over
-        elif shard not in self._io.held:
-            future.set(error=GeePSError(
-                f"shard {shard} ({self.cluster.shards[shard]}) refused "
-                f"{future.request.type.name} of worker {self.worker_id} (it "
-                f"restarted), and it is not being recovered"))
-        else:
-            self._io.requeue(shard, future)
-
     def _on_link_broken(self, shard, reason):
         """A sealed link that lost messages (I/O thread): recovered as a
         refusal would be; the WELCOME tells a reconnect from a restart."""
         del reason  # (logged by the I/O thread)
-        attempt = self._attempts.get(shard)
-        self._recover(shard, again=attempt is not None and attempt.answered)
+        self._recovery.begin(shard)
 
     def _fail(self, error):
         self._io.errors.append(error)
@@ -925,275 +871,12 @@ class GeePSClient:
         with self._cond:
             self._cond.notify_all()
 
-    def _recovery_failed(self, shard, error):
-        """A recovery of `shard` that cannot finish (I/O thread): for good.
-        A shard that says this worker is dead (or the job stopped) stops
-        the job here too; anything else loses the shard, naming why: every
-        later call raises it, none waits for its timeout."""
-        if isinstance(error, GeePSWorkerFailedError):
-            self._stop_job(error)
-        else:
-            self._lose(shard, f"recovering shard {shard} "
-                              f"({self.cluster.shards[shard]}) failed: "
-                              f"{error}")
-
-    def _failing_recovery(self, shard):
-        """A future callback that fails `shard`'s recovery on an error."""
-        def on_reply(message, error):
-            del message
-            if error is not None:
-                self._recovery_failed(shard, error)
-        return on_reply
-
-    def _recover(self, shard, again=False):
-        """A shard that refused this worker (or lost its messages): HELLO
-        again; its WELCOME says whether it is the same process (I/O thread).
-
-        The same process: the connection broke and came back (a reconnect
-        gets a new routing id, or a sealed link lost messages). This worker
-        resends, under their own numbers, the updates, clocks and creates
-        the shard may not have got (it handles each number once), asks for
-        its rows again and sends what it held back: `_reconnected`.
-
-        A restarted process: it restored each table at its checkpoint
-        clock g; this worker re-declares, resends its updates and clocks of
-        [g, now) from its log, then its held traffic, minus what the replay
-        already carried, and the requests callers still wait on (the old
-        shard took them unanswered). Updates the checkpoint covers are never
-        resent, those it does not are resent once: nothing is lost or
-        applied twice. Without checkpoints its tables are lost: the client
-        fails, naming it.
-
-        With `again`, a recovery under way is given up (its late replies
-        are ignored) and started over: the shard restarted once more, or
-        the connection broke again. A reconnect while a restart recovery
-        is under way resends what it sent and replays only the parts whose
-        replay had not gone out (`_reconnected_restoring`).
-        """
-        if shard in self._lost or (shard in self._recovering and not again):
-            return
-        address = self.cluster.shards[shard]
-        log.warning("worker %d: shard %d (%s) refused this worker%s; saying "
-                    "HELLO again", self.worker_id, shard, address,
-                    " again while being recovered" if again else "")
-        self._io.held.add(shard)
-        self._io.requeue_unanswered(shard)
-        parts = [(table, part) for table in self._tables
-                 for part, (s, _, _) in enumerate(table.parts) if s == shard]
-        for table, part in parts:  # a push torn by the restart: dropped
-            table.incoming[part] = no_push()
-        self._recovering[shard] = len(parts)
-        hello = self._hello_message()
-        hello.worker, hello.seq = self.worker_id, self._next_seq(shard)
-        given_up = self._attempts.get(shard)
-        if given_up is not None:  # its requests will never be answered
-            self._io.forget(given_up.futures)
-        # (nor will a finished recovery's requests still unanswered)
-        self._io.forget(self._finished_futures.pop(shard, []))
-        attempt = self._attempts[shard] = _RecoveryAttempt()
-
-        def welcomed(message, error):
-            if self._attempts.get(shard) is not attempt:
-                return  # an attempt given up (the shard restarted again)
-            attempt.answered = True
-            if error is not None:  # this worker cannot rejoin: for good
-                self._recovery_failed(shard, error)
-                return
-            known = self._shard_incarnations.get(shard)
-            if known is not None and message.meta.get("incarnation") == known:
-                if shard in self._restoring:
-                    self._reconnected_restoring(shard, parts, message,
-                                                attempt)
-                else:
-                    self._reconnected(shard, parts, message)
-                return
-            if not self._keep_log:
-                self._lose(shard, f"shard {shard} ({address}) restarted, but "
-                                  f"the shards write no checkpoints "
-                                  f"(--checkpoint-every): its tables are lost")
-                return
-            log.warning("worker %d: shard %d (%s) restarted; recovering",
-                        self.worker_id, shard, address)
-            self._restoring[shard] = {(t.id, p) for t, p in parts}
-            self._io.forget_unacknowledged(shard)  # the replay covers them
-            self._on_welcome(shard, message)
-            if not parts:
-                self._finish_recovery(shard)
-            for table, part in parts:
-                self._redeclare(shard, table, part, attempt)
-
-        self._io.send_now(shard, hello, attempt.future(welcomed))
-
     def _lose(self, shard, reason):
         """Gives `shard` up for good: `reason` is raised once where a caller
         waits, then by every later call."""
         log.error("worker %d: %s", self.worker_id, reason)
         self._lost[shard] = reason
         self._fail(GeePSError(reason))
-
-    def _reconnected(self, shard, parts, welcome):
-        """The recovery's WELCOME came from the shard's same process: its
-        connection broke and came back (I/O thread). Resends what it may
-        not have got, asks for each part's rows again (a push the break
-        tore is gone: a DECLARE pushes them anew), then sends what was
-        held."""
-        address = self.cluster.shards[shard]
-        if shard in self._shm_peers or shard in self._shm_upload:
-            # Updates in shared memory are not kept for sending again.
-            self._lose(shard, f"the connection to shard {shard} ({address}), "
-                              f"which shares memory with this worker, broke "
-                              f"and came back; updates may be lost")
-            return
-        self._on_welcome(shard, welcome)
-        resent = self._io.resend_unacknowledged(shard)
-        declared = self._finished_futures.setdefault(shard, [])
-        for table, part in parts:
-            declared.append(Future(self._failing_recovery(shard)))
-            self._io.send_now(shard, self._declare_message(shard, table, part),
-                              declared[-1])
-        self._io.release(shard, lambda: self._next_seq(shard))
-        del self._recovering[shard]
-        del self._attempts[shard]
-        self.reconnects += 1
-        log.warning("worker %d: reconnected to shard %d (%s), the same "
-                    "process: resent %d updates, clocks and creates it may "
-                    "not have got", self.worker_id, shard, address, resent)
-
-    def _reconnected_restoring(self, shard, parts, welcome, attempt):
-        """A reconnect to a restarted shard whose recovery was under way
-        (I/O thread): what that recovery sent (re-created rows, replays)
-        is resent under its own numbers, like anything else; the parts
-        whose replay had not gone out yet are re-declared and replayed,
-        the others only re-declared, for their rows."""
-        self._on_welcome(shard, welcome)
-        self._io.resend_unacknowledged(shard)
-        pending = self._restoring[shard]
-        self._recovering[shard] = sum((t.id, p) in pending for t, p in parts)
-        for table, part in parts:
-            if (table.id, part) in pending:
-                self._redeclare(shard, table, part, attempt)
-            else:
-                self._io.send_now(shard, self._declare_message(
-                    shard, table, part), attempt.future(
-                        self._failing_recovery(shard)))
-        if not self._recovering[shard]:
-            self._finish_recovery(shard)
-        self.reconnects += 1
-        log.warning("worker %d: reconnected to shard %d, the same process, "
-                    "while recovering it from its restart", self.worker_id,
-                    shard)
-
-    def _declare_message(self, shard, table, part):
-        """A DECLARE of `table`'s `part` on `shard` (numbered): the shard
-        answers with the table's clocks and pushes the part's rows."""
-        return Message(MsgType.DECLARE, table.id, worker=self.worker_id,
-                       seq=self._next_seq(shard),
-                       meta=self._shm_meta(shard, table.spec_meta(part)))
-
-    def _retry_unanswered_recoveries(self):
-        """Says HELLO again where a recovery's HELLO went unanswered for
-        RECOVERY_HELLO_RETRY_S (I/O thread)."""
-        now = time.monotonic()
-        for shard, attempt in list(self._attempts.items()):
-            if not attempt.answered and \
-                    now - attempt.started > RECOVERY_HELLO_RETRY_S:
-                self._recover(shard, again=True)
-
-    def _redeclare(self, shard, table, part, attempt):
-        declare = self._declare_message(shard, table, part)
-
-        def declared(message, error):
-            if self._attempts.get(shard) is not attempt:
-                return
-            if error is not None:
-                self._recovery_failed(shard, error)
-                return
-            if not message.meta.get("ready", True) and \
-                    not self._create_again(shard, table, part, attempt):
-                return
-            self._replay(shard, table, part, message.meta["global_clock"])
-
-        self._io.send_now(shard, declare, attempt.future(declared))
-
-    def _create_again(self, shard, table, part, attempt):
-        """A shard restored without `table` (killed before its first
-        checkpoint of it was durable): the initializer sends the initial
-        rows again, before its replay; other workers' replayed updates wait
-        on the shard for them. False (and the client failed) when nobody
-        can: a checkpoint had held the table (the shard was started without
-        --restore, or from another folder), or its creator no longer holds
-        its initial rows.
-        """
-        initial = table.init.get(part)
-        if initial is None:
-            ckpt = int(table.part_ckpt[part])
-            if ckpt >= 0:
-                reason = (f"which a checkpoint at clock {ckpt} held: was it "
-                          f"started without --restore, or from another "
-                          f"--checkpoint-dir?")
-            elif self.worker_id == self.initializer:
-                reason = ("and this worker, its creator, no longer holds "
-                          "its initial rows")
-            else:
-                return True  # the initializer sends them
-            self._lose(shard, f"shard {shard} restarted without table "
-                              f"{table.name!r}, {reason}")
-            return False
-        log.warning("worker %d: shard %d restarted before a checkpoint held "
-                    "table %r; creating it again", self.worker_id, shard,
-                    table.name)
-        table.created_again.add(part)
-        for message in self._create_messages(table, part, initial):
-            message.worker, message.seq = self.worker_id, self._next_seq(shard)
-            self._io.send_now(shard, message,
-                              attempt.future(self._failing_recovery(shard)))
-        return True
-
-    def _replay(self, shard, table, part, restored_clock):
-        _, start, end = table.parts[part]
-        with self._clock_lock:
-            boundary = table.clock
-            missing = [c for c in range(restored_clock, boundary)
-                       if c not in table.log]
-            if missing:
-                self._lose(shard, f"cannot recover table {table.name!r} on "
-                                  f"shard {shard}: it restarted at clock "
-                                  f"{restored_clock}, but this worker no "
-                                  f"longer holds the updates of clock "
-                                  f"{missing[0]}")
-                return
-            for clk in range(restored_clock, boundary):
-                buffer = table.log[clk]
-                if buffer is not None:
-                    for message in self._update_messages(table, clk, buffer,
-                                                         start, end):
-                        message.worker = self.worker_id
-                        message.seq = self._next_seq(shard)
-                        self._io.send_now(shard, message)
-                self._io.send_now(shard, Message(
-                    MsgType.CLOCK, table.id, clk=clk, worker=self.worker_id,
-                    seq=self._next_seq(shard)))
-            self._boundaries[(shard, table.id)] = boundary
-        self._restoring[shard].discard((table.id, part))
-        self._recovering[shard] -= 1
-        if self._recovering[shard] == 0:
-            self._finish_recovery(shard)
-
-    def _finish_recovery(self, shard):
-        def replayed_already(message):
-            # Held updates and clocks of clocks the replay covered.
-            return (message.type in (MsgType.UPDATE, MsgType.CLOCK)
-                    and message.clk < self._boundaries.get(
-                        (shard, message.table), -1))
-
-        self._io.release(shard, lambda: self._next_seq(shard),
-                         replayed_already)
-        del self._recovering[shard]
-        attempt = self._attempts.pop(shard)
-        self._finished_futures.setdefault(shard, []).extend(
-            f for f in attempt.futures if not f.event.is_set())
-        self._restoring.pop(shard, None)
-        log.warning("worker %d: shard %d recovered", self.worker_id, shard)
 
     # ----------------------------------------------------- reads, updates
     def handle_for(self, what):
