@@ -174,8 +174,8 @@ def main(argv=None):
         "pack_vs_tf": round(packs["pack_tf"] / packs["pack"], 3),
         "unpack_vs_tf": round(packs["unpack_tf"] / packs["unpack"], 3),
         "gather_vs_tf": round(rows["gather_tf"] / rows["gather"], 3),
-        "scatter_add_vs_tf": round(rows["scatter_add_tf"] / rows["scatter_add"],
-                                   3),
+        "scatter_add_vs_tf": round(
+            rows["scatter_add_tf"] / rows["scatter_add"], 3),
         "pack_vs_memcpy": round(packs["memcpy"] / packs["pack"], 3),
     }
     print(json.dumps(result))

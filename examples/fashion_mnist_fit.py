@@ -2,7 +2,8 @@
 
 Run it on a local cluster (2 shards + 2 workers) with
 
-    keras-geeps launch --workers 2 --shards 2 -- python examples/fashion_mnist_fit.py
+    keras-geeps launch --workers 2 --shards 2 -- \
+        python examples/fashion_mnist_fit.py
 
 or `make demo`. Each worker trains on its half of the 60,000 training images
 (BSP by default), worker 0 then evaluates on the 10,000 test images and

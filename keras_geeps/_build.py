@@ -308,7 +308,8 @@ def build(force=False, cuda=None):
                 return str(library)  # built by another process meanwhile
             staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{key}-",
                                                     dir=root))
-            os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide it from others
+            # mkdtemp's 0700 would hide it from others
+            os.chmod(staging, 0o755)
             try:
                 start = time.monotonic()
                 src_root = sources_dir()

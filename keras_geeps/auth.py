@@ -251,7 +251,7 @@ class ClientKeys:
         self.server_keys = [load_keypair(f)[0] for f in files]
 
     def apply(self, socket, shard):
-        """Configures `socket` (before connect) as a CURVE client of `shard`."""
+        """Makes `socket` a CURVE client of `shard` (before it connects)."""
         socket.curve_secretkey = self.secret
         socket.curve_publickey = self.public
         socket.curve_serverkey = self.server_keys[

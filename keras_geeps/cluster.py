@@ -148,7 +148,8 @@ class RowPartitioner:
 
     def place(self, rows, row_bytes):
         """Returns [(shard, row_start, row_end), ...] for a new table."""
-        if rows >= self.num_shards and rows * row_bytes >= self.split_min_bytes:
+        if (rows >= self.num_shards
+                and rows * row_bytes >= self.split_min_bytes):
             parts = []
             for shard in range(self.num_shards):
                 start = rows * shard // self.num_shards

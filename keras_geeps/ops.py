@@ -173,7 +173,7 @@ def _resource_gather_rows_grad(op, grad):
 
 
 def scatter_add_rows(variable, indices, updates, check_indices=True):
-    """Adds rows into a variable in place: `variable[indices[i]] += updates[i]`.
+    """Adds `updates[i]` into row `indices[i]` of a variable, in place.
 
     GeePS applies an update batch as one kernel into the parameter cache or
     the update log. Duplicate indices accumulate. The add runs under the
@@ -200,7 +200,7 @@ def scatter_add_rows(variable, indices, updates, check_indices=True):
 
     ```python
     table = tf.Variable(tf.zeros([4, 2]))
-    scatter_add_rows(table, [1, 1], [[1.0, 1.0], [2.0, 2.0]])  # row 1: [3., 3.]
+    scatter_add_rows(table, [1, 1], [[1.0, 1.0], [2.0, 2.0]])  # row 1: 3, 3
     ```
     """
     variable = _require_variable(variable, "variable")

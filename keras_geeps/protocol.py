@@ -72,6 +72,7 @@ def set_link_heartbeats(sock, address):
     sock.setsockopt(zmq.HEARTBEAT_IVL, LINK_PING_MS)
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LINK_TIMEOUT_MS)
 
+
 ALLOWED_DTYPES = (
     "float16", "bfloat16", "float32", "float64", "int32", "int64", "uint8",
 )
@@ -207,7 +208,7 @@ def dtype_name(dtype):
 
 
 def numpy_dtype(name):
-    """Returns the numpy dtype for a wire dtype name (bfloat16 via ml_dtypes)."""
+    """Returns the numpy dtype of a wire dtype name (bfloat16: ml_dtypes)."""
     if name not in ALLOWED_DTYPES:
         raise ProtocolError(f"unknown dtype {name!r}; allowed: "
                             f"{', '.join(ALLOWED_DTYPES)}")
@@ -412,7 +413,8 @@ def _check_meta(msg_type, meta):
 
 def _check_frame_spec(index, entry):
     if (not isinstance(entry, list) or len(entry) != 2
-            or not isinstance(entry[0], str) or not isinstance(entry[1], list)):
+            or not isinstance(entry[0], str)
+            or not isinstance(entry[1], list)):
         raise ProtocolError(f"frame {index}: spec must be [dtype, shape], got "
                             f"{entry!r:.80}")
     dtype = numpy_dtype(entry[0])

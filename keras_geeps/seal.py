@@ -36,9 +36,10 @@ are used where they arrive), or where its reader wants the rows
 a read waits for straight into the read's buffer, and a shard an update
 straight into the clock's rows not written yet, so the cipher's pass is
 also the copy or write that would follow); sealing writes into buffers
-reused once ZeroMQ has let go of them (`Buffers`: one pool per thread, at most 32 MiB
-kept), and only a few large messages ahead of the wire (`Sender`): sealing
-a whole 16 MB reply at once keeps a core from the copies that move it.
+reused once ZeroMQ has let go of them (`Buffers`: one pool per thread, at
+most 32 MiB kept), and only a few large messages ahead of the wire
+(`Sender`): sealing a whole 16 MB reply at once keeps a core from the
+copies that move it.
 
 Example:
 

@@ -69,8 +69,8 @@ def test_gather_rows_matches_tf_gather(device, source, dtype, index_dtype,
     got = ops.gather_rows(table, indices)
     assert got.dtype == dtype and got.shape == (n, width)
     np.testing.assert_array_equal(_np(got), _np(tf.gather(values, indices)))
-    np.testing.assert_array_equal(_np(got),
-                                  _np(values)[indices.numpy().astype(np.int64)])
+    want = _np(values)[indices.numpy().astype(np.int64)]
+    np.testing.assert_array_equal(_np(got), want)
 
 
 SCATTER_SHAPES = [(5, 3, 12), (1, 4, 5), (6, 0, 4), (4, 3, 0), (0, 2, 0),
@@ -293,14 +293,15 @@ def test_pack_matches_concat(device, dtype):
     np.testing.assert_array_equal(_np(packed), _np(expected))
     # Tensors as well as variables, and inside tf.function.
     tensors = [tf.convert_to_tensor(v) for v in variables]
-    np.testing.assert_array_equal(_np(ops.pack(tensors, layout)), _np(expected))
+    packed = ops.pack(tensors, layout)
+    np.testing.assert_array_equal(_np(packed), _np(expected))
     np.testing.assert_array_equal(
         _np(tf.function(lambda: ops.pack(variables, layout))()), _np(expected))
     # The delta since a snapshot: rounded once, as numpy does in the dtype.
     snapshot = tf.constant(rng.standard_normal(layout.total_size), dtype=dtype)
     want = _rounded(np.subtract, packed.numpy(), snapshot.numpy())
-    np.testing.assert_array_equal(ops.pack(variables, layout, snapshot).numpy(),
-                                  want)
+    got = ops.pack(variables, layout, snapshot).numpy()
+    np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(ops.pack(tensors, layout, snapshot).numpy(),
                                   want)
 
@@ -343,16 +344,16 @@ def test_unpack_keeps_earlier_reads(device):
 def test_pack_layout_mismatches_are_invalid_argument(device):
     a, b = tf.Variable(tf.zeros([2, 2])), tf.Variable(tf.zeros([3]))
     wrong = ops.PackLayout([(2, 2), (4,)])
-    with pytest.raises(INVALID, match=r"variable 1 has shape \[3\] \(3 elements"
-                       r"\) but the layout gives it 4 elements"):
+    with pytest.raises(INVALID, match=r"variable 1 has shape \[3\] \(3 "
+                       r"elements\) but the layout gives it 4 elements"):
         ops.pack([a, b], wrong)
     a.assign(tf.ones([2, 2]))
     with pytest.raises(INVALID, match="variable 1 has shape"):
         ops.unpack(tf.fill([8], 9.0), [a, b], wrong)
     np.testing.assert_array_equal(a.numpy(), np.ones([2, 2]))  # untouched
     layout = ops.PackLayout([a, b])
-    with pytest.raises(INVALID, match="buffer has shape \\[6\\] but the layout "
-                       "needs a vector of 7 elements"):
+    with pytest.raises(INVALID, match="buffer has shape \\[6\\] but the "
+                       "layout needs a vector of 7 elements"):
         ops.unpack(tf.zeros([6]), [a, b], layout)
     with pytest.raises(INVALID, match="snapshot has shape"):
         ops.pack([a, b], layout, snapshot=tf.zeros([5]))
@@ -632,7 +633,8 @@ def test_pack_delta_into_streams_large_float_updates(scale):
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.float64])
-@pytest.mark.parametrize("shapes", [PACK_SHAPES, [(1000, 1100), (3,), (7, 33)]],
+@pytest.mark.parametrize("shapes",
+                         [PACK_SHAPES, [(1000, 1100), (3,), (7, 33)]],
                          ids=["small", "streamed"])
 def test_pack_tensors_into_writes_each_segment_times_its_scale(dtype, shapes):
     """Small and >4 MB (streaming stores for float32) layouts, misaligned
@@ -649,9 +651,10 @@ def test_pack_tensors_into_writes_each_segment_times_its_scale(dtype, shapes):
     # float64, the others in float32 (as TensorFlow's half kernels do),
     # then round to the dtype.
     acc = np.float64 if dtype == tf.float64 else np.float32
+    kind = dtype.as_numpy_dtype
     want = np.concatenate([
-        (v.numpy().astype(acc) * acc(np.float32(s))).astype(dtype.as_numpy_dtype)
-        .reshape(-1) for v, s in zip(values, scales)])
+        (v.numpy().astype(acc) * acc(np.float32(s))).astype(kind).reshape(-1)
+        for v, s in zip(values, scales)])
     np.testing.assert_array_equal(out, want)
 
 
@@ -672,7 +675,8 @@ def test_pack_tensors_into_refuses_bad_calls():
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.float64])
-@pytest.mark.parametrize("shapes", [PACK_SHAPES, [(1000, 1100), (3,), (7, 33)]],
+@pytest.mark.parametrize("shapes",
+                         [PACK_SHAPES, [(1000, 1100), (3,), (7, 33)]],
                          ids=["small", "streamed"])
 def test_pack_tensors_into_adds_a_base(dtype, shapes):
     """out = base + values * scales: the numpy reference, bit for bit."""

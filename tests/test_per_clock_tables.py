@@ -9,7 +9,6 @@ import pytest
 from keras_geeps import checkpoint, protocol
 from keras_geeps.errors import GeePSError
 from keras_geeps.launch import LocalCluster
-from keras_geeps.shard import ShardSettings
 from tests.reliability.restarts import wait_for_checkpoint
 from tests.worker_threads import run_clients
 

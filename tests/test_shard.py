@@ -283,7 +283,7 @@ def test_a_new_connection_of_the_same_worker_resends_exactly_once():
         assert [r.seq for r in replies] == [7]
         send(new, MsgType.READ, 8, table=0, clk=1)
         rows = [r for r in [new.recv()] + new.drain()
-                   if r.type == MsgType.ROWS]
+                if r.type == MsgType.ROWS]
         np.testing.assert_array_equal(rows[-1].arrays[0], 3.0)  # not 4
         assert server.stats["duplicates"] == 1
         elsewhere = RawPeer(other.address)  # another shard: another number

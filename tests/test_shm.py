@@ -433,7 +433,8 @@ def test_a_dead_workers_buffers_are_freed(thread_cluster):
     doomed._io.close()  # it dies: no heartbeat, no RELEASE of `kept`
     deadline = time.monotonic() + 10
     while 1 not in server.snapshot_stats()["dead_workers"]:
-        assert time.monotonic() < deadline, "the worker was never declared dead"
+        assert time.monotonic() < deadline, \
+            "the worker was never declared dead"
         time.sleep(0.1)
     stats = server.snapshot_stats()
     assert stats["shm_held"] <= held - 1 and 1 not in stats["shm_workers"]

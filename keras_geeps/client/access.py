@@ -1,4 +1,4 @@
-"""GeePS's virtual iteration: a step's accesses recorded once, indexes pre-built.
+"""GeePS's virtual iteration: a step's accesses recorded, indexes pre-built.
 
 Before training, the application walks through one step without doing it,
 telling the client each read, update and local (private) access it will

@@ -484,8 +484,8 @@ class IOThread:
                     not protocol.LINK_HEARTBEATS_ON_LOOPBACK:
                 continue
             if link.heard < quiet:
-                self.break_link(shard, f"heard nothing for "
-                                       f"{protocol.LINK_TIMEOUT_MS / 1000:g} s")
+                seconds = protocol.LINK_TIMEOUT_MS / 1000
+                self.break_link(shard, f"heard nothing for {seconds:g} s")
 
     def _open(self, shard, frames, link):
         """The message in `frames` from `shard`, and its `seal.SealedFrame`s

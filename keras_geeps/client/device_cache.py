@@ -1,4 +1,4 @@
-"""GeePS's device-resident parameter cache: tables and update log as TF variables.
+"""GeePS's device-resident parameter cache: tables and update log in TF.
 
 In GeePS each worker's cached parameters and its buffered updates live in
 GPU memory, and every access is one batched kernel over a pre-built index.
@@ -9,8 +9,8 @@ ops: fresh rows from the shards are written into the cache variable with
 `unpack`; a read is one `gather_rows` over the access's pre-built index;
 an update is one `scatter_add_rows` into the log (indexes are checked
 against the table once, when built, so these ops skip their own check,
-which on a GPU waits for the device); `clock()` packs the log into one contiguous buffer with `pack` and hands it
-to the client to send.
+which on a GPU waits for the device); `clock()` packs the log into one
+contiguous buffer with `pack` and hands it to the client to send.
 
 `GeePSStrategy` does not need this class (a Keras model's own variables are
 its cache); it serves custom code that reads and updates row subsets, e.g.

@@ -104,7 +104,6 @@ class ChiefOnly(keras.callbacks.Callback):
         self.callback.set_params(params)
 
 
-
 def _chief_only(hook):
     def method(self, *args, **kwargs):
         if self.strategy.is_chief:

@@ -420,7 +420,7 @@ class ParameterSync:
             self.tables.append(LayerTable(name, variables, table, layout))
 
     def table_report(self):
-        """A printable list of the tables: layer, rows x width, bytes, shards."""
+        """A printable list of tables: layer, rows x width, bytes, shards."""
         lines = [f"{'table':<40} {'rows x width':>16} {'bytes':>12} shards"]
         for layer in self.tables:
             t = layer.table
@@ -700,11 +700,11 @@ class ParameterSync:
         `variables` is brought to every worker's last clock, `overwrite()`
         writes this worker's averages into the variables, each worker
         pushes `(its average - rows) / live workers` (whatever the update
-        mode; the workers no shard declared dead) and clocks once more, and the tables are pulled again: every
-        worker then holds the workers' mean average, as do the shards (a
-        later `fit` goes on from it, as Keras' would). Collective: every
-        worker's `fit` ends here (`Optimizer.finalize_variable_values`,
-        patched in `_tf_hooks`).
+        mode; the workers no shard declared dead) and clocks once more, and
+        the tables are pulled again: every worker then holds the workers'
+        mean average, as do the shards (a later `fit` goes on from it, as
+        Keras' would). Collective: every worker's `fit` ends here
+        (`Optimizer.finalize_variable_values`, patched in `_tf_hooks`).
 
         Args:
             variables: the weights being finalized (tf.Variables or

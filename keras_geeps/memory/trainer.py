@@ -163,6 +163,7 @@ class _Unit:
         self.want_dx = False   # set by the trainer
         self.tables = []       # ParameterSync table indices
         self.table_positions = {}  # table index -> positions in tf_params
+
         def fn(method):
             # A closure per layer: TensorFlow's retracing warning counts
             # traces per Python function, and every layer traces its own.

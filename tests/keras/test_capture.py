@@ -7,6 +7,7 @@ compare the weights, and check every case that must fall back to writing
 the variables.
 """
 
+import functools
 import os
 
 import numpy as np
@@ -85,18 +86,19 @@ def test_captured_updates_train_like_measured_ones(thread_cluster, optimizer):
 
 
 def test_weight_decay_ema_and_constraints_are_not_captured(thread_cluster):
-    decay = lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)  # noqa
+    decay = functools.partial(keras.optimizers.AdamW, 0.01,
+                              weight_decay=0.1)
     weights, rows, names, _ = _train(thread_cluster, decay, capture=True)
     assert names == []
     _close(rows, _train(thread_cluster, decay, capture=False)[1])
 
-    ema = lambda: keras.optimizers.SGD(0.05, use_ema=True)  # noqa
+    ema = functools.partial(keras.optimizers.SGD, 0.05, use_ema=True)
     assert _train(thread_cluster, ema, capture=True)[2] == []
 
-    sgd = lambda: keras.optimizers.SGD(0.05)  # noqa
+    sgd = functools.partial(keras.optimizers.SGD, 0.05)
     constraint = keras.constraints.MaxNorm(0.3)
     weights, rows, names, _ = _train(thread_cluster, sgd, capture=True,
-                                  constraint=constraint)
+                                     constraint=constraint)
     assert names == ["b"]  # layer a's kernel has the constraint
     plain = _train(thread_cluster, sgd, capture=False, constraint=constraint)
     _close(rows, plain[1])
@@ -104,22 +106,23 @@ def test_weight_decay_ema_and_constraints_are_not_captured(thread_cluster):
 
 
 def test_loss_scaling_and_ssp_write_the_variables(thread_cluster):
-    scaled = lambda: keras.optimizers.LossScaleOptimizer(  # noqa
-        keras.optimizers.SGD(0.05))
+    def scaled():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
     weights, rows, names, _ = _train(thread_cluster, scaled, capture=True)
     assert names == []  # the inner update runs under a condition
     _close(rows, _train(thread_cluster, scaled, capture=False)[1])
 
-    sgd = lambda: keras.optimizers.SGD(0.05)  # noqa
+    sgd = functools.partial(keras.optimizers.SGD, 0.05)
     assert _train(thread_cluster, sgd, capture=True, slack=1)[2] == []
 
 
 def test_run_eagerly_writes_the_variables(thread_cluster):
     """Eagerly, a direct write (weight decay) leaves no op to check: no
     capture, and AdamW trains as with capture off."""
-    decay = lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)  # noqa
+    decay = functools.partial(keras.optimizers.AdamW, 0.01,
+                              weight_decay=0.1)
     weights, rows, names, _ = _train(thread_cluster, decay, capture=True,
-                                  run_eagerly=True)
+                                     run_eagerly=True)
     assert names == []
     plain = _train(thread_cluster, decay, capture=False)
     _close(rows, plain[1])

@@ -199,7 +199,7 @@ def _assert_one_plain_step(got, start, x, y):
 
 @pytest.mark.parametrize("capture", [True, False])
 def test_a_later_fit_goes_on_from_the_shards_values(thread_cluster,
-                                                     capture):
+                                                    capture):
     """Weights set between fits (set_weights here; EarlyStopping's restore
     or load_weights alike) stay this worker's: the next fit's first step
     starts from the shards' rows, as one plain Keras SGD step from them."""

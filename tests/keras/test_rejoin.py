@@ -28,9 +28,8 @@ FIT_ARGS = ["--pace", "0.05", "--batchnorm", "--validate", "--lr", "0.05"]
 
 
 @pytest.mark.parametrize("dies", [1, 0])
-def test_a_restarted_worker_lines_up_with_the_others_epochs(tmp_path,
-                                                           thread_cluster,
-                                                           dies):
+def test_a_restarted_worker_lines_up_with_the_others_epochs(
+        tmp_path, thread_cluster, dies):
     """Worker `dies` is killed in epoch 1 and restarted; it misses two or
     more epoch ends (worker 0 too: the table it created, and the barriers
     once zeroed by it, go on without it)."""

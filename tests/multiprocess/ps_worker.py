@@ -48,7 +48,8 @@ def main():
         reads.append([clk, big.last_read_age, parts, small.last_read_age,
                       float(small_values.min()), float(small_values.max())])
         if args.max_delay:
-            time.sleep(rng.uniform(0, args.max_delay) * (w + 1) / spec.num_workers)
+            share = (w + 1) / spec.num_workers
+            time.sleep(rng.uniform(0, args.max_delay) * share)
         client.update(big, np.full((1200, 128), (w + 1) * (clk + 1),
                                    np.float32))
         client.update(small, np.ones((3, 5)))

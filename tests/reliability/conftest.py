@@ -16,5 +16,6 @@ def keys(tmp_path):
         [sys.executable, "-m", "keras_geeps", "keygen", str(tmp_path),
          "shard", "worker", "stranger"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    (allowed / "worker.key").write_bytes((tmp_path / "worker.key").read_bytes())
+    key = (tmp_path / "worker.key").read_bytes()
+    (allowed / "worker.key").write_bytes(key)
     return tmp_path
