@@ -32,7 +32,8 @@ setup(
     description="GeePS-style parameter server for Keras 3 and TensorFlow",
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.11",  # what CI tests; pyaegis (extra "curve") needs it
+    # what CI tests; pyaegis (the "curve" extra) needs it
+    python_requires=">=3.11",
     packages=find_packages(include=["keras_geeps", "keras_geeps.*"]),
     install_requires=[
         "tensorflow==2.21.*",
@@ -48,8 +49,10 @@ setup(
         # builds from source (a C compiler), so only jobs with keys need
         # it; its cffi module is used directly (no copies), hence the pin.
         "curve": [AEGIS],
+        # pycodestyle and pyflakes (PyCQA): tests/test_style.py keeps the
+        # code PEP 8 and free of unused imports and undefined names
         "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn",
-                 AEGIS],
+                 "pycodestyle", "pyflakes", AEGIS],
     },
     entry_points={"console_scripts": ["keras-geeps=keras_geeps.cli:main"]},
     cmdclass={"build_py": BuildPyWithOpSources},
