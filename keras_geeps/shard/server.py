@@ -143,7 +143,7 @@ class ShardServer:
         self._holds = {}          # buffer id -> {worker: refs not released}
         self.stats = {"bytes_in": 0, "bytes_out": 0, "messages_in": 0,
                       "updates_applied": 0, "updates_held": 0,
-                      "duplicates": 0, "errors": 0,
+                      "duplicates": 0, "errors": 0, "internal_errors": 0,
                       "pushes": 0, "checkpoints": 0, "restored_clock": -1,
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0,
@@ -214,13 +214,11 @@ class ShardServer:
                 try:
                     self._housekeeping()
                 except Exception:  # a bug must not take the shard down
-                    log.exception("shard %d: internal error in its "
-                                  "housekeeping", self.shard_id)
+                    self._internal_error("in its housekeeping")
                 try:
                     waiting = self._pump_sealed()
                 except Exception:  # a bug must not take the shard down
-                    log.exception("shard %d: internal error sealing "
-                                  "replies", self.shard_id)
+                    self._internal_error("sealing replies")
                     waiting = False
                 ready = seal.poll_paced(poller, waiting,
                                         self.settings.poll_timeout_ms)
@@ -337,8 +335,7 @@ class ShardServer:
             self._open_sealed(frames)
         except Exception:  # a bug must not take the shard down
             self.stats["errors"] += 1
-            log.exception("shard %d: internal error opening a sealed "
-                          "message", self.shard_id)
+            self._internal_error("opening a sealed message")
 
     def _open_sealed(self, frames):
         route = frames[0].bytes
@@ -419,10 +416,17 @@ class ShardServer:
         except ProtocolError as exc:
             self._refuse(identity, message, str(exc))
         except Exception as exc:  # a bug must not take the shard down
-            log.exception("shard %d: internal error", self.shard_id)
+            self._internal_error("handling a request")
             self._refuse(identity, message, f"internal error: {exc!r}")
         finally:
             self._unopened = None
+
+    def _internal_error(self, doing):
+        """Logs the exception in hand, a bug of the shard's own that it
+        survived, and counts it in `internal_errors` (its STATS): a
+        fuzzer or a monitor sees it without reading the log."""
+        self.stats["internal_errors"] += 1
+        log.exception("shard %d: internal error %s", self.shard_id, doing)
 
     def _refuse(self, identity, message, error, code=None):
         self.stats["errors"] += 1
