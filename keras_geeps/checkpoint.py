@@ -46,6 +46,8 @@ from keras_geeps import protocol
 FORMAT = 1
 # Clocks a checkpoint may hold: below the shard's dead-worker mark.
 MAX_CLOCK = 1 << 61
+# How every checkpoint file starts (a zip archive's first local header).
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 class CheckpointError(RuntimeError):
@@ -129,6 +131,12 @@ def load_job(directory, shard_id, num_shards, num_workers):
         raise CheckpointError(f"no checkpoint of shard {shard_id}/"
                               f"{num_shards} at {path}")
     try:
+        with open(path, "rb") as f:
+            magic = f.read(len(ZIP_MAGIC))
+        if magic != ZIP_MAGIC:  # np.load would take it for a pickle
+            raise CheckpointError(f"{path} is not a checkpoint: it does not "
+                                  f"start as an npz (zip) archive does "
+                                  f"(torn, or another kind of file)")
         with np.load(path, allow_pickle=False) as archive:
             meta = json.loads(archive["meta"].tobytes().decode())
             if meta.get("format") != FORMAT:

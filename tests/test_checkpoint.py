@@ -80,3 +80,17 @@ def test_every_cut_is_refused(written):
         with open(path, "wb") as f:
             f.write(raw[:length])
         assert _outcome(directory, path, snapshots) == "refused", length
+
+
+@pytest.mark.parametrize("content", [b"torn", b"\x80\x04K\x01.", b""],
+                         ids=["text", "pickle", "empty"])
+def test_a_file_that_is_no_archive_is_named_as_such(tmp_path, content):
+    """np.load takes such a file for a pickle and suggests loading it
+    unsafely; the error says what it is instead."""
+    path = checkpoint.checkpoint_path(tmp_path, 0, 1)
+    with open(path, "wb") as f:
+        f.write(content)
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        checkpoint.load_job(tmp_path, 0, 1, 1)
+    assert f"{path} is not a checkpoint" in str(caught.value)
+    assert "pickle" not in str(caught.value)
