@@ -1,6 +1,7 @@
 """Fuzzing a live shard; 16 worker processes x 200 clocks against 4 shards."""
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -139,6 +140,9 @@ def test_ten_thousand_hostile_frames_leave_the_shard_serving():
         cluster.stop()
 
 
+SEQ_WINDOW = 1 << 16  # a shard's window of request numbers (SeqTracker)
+
+
 class _KnownWorker:
     """Worker 1 as a raw socket that said HELLO, so its requests get past
     the HELLO check into the handlers, with a reference of the table.
@@ -147,7 +151,10 @@ class _KnownWorker:
     request whose (mutated) number the shard has handled before is a
     resend (`SeqTracker`): an UPDATE or CLOCK under it has no effect.
     Every request is followed by a STATS: the shard answers in order, so
-    any refusal of the request comes before the STATS' reply.
+    any refusal of the request comes before the STATS' reply. Numbers far
+    from the worker's own are not sent (unless they jump beyond the
+    window): they would slide the shard's window of handled numbers past
+    the worker's, after which the shard ignores everything it sends.
     """
 
     def __init__(self, context, address, table):
@@ -233,9 +240,15 @@ class _KnownWorker:
                     np.abs(rows.astype(np.float64)) <= 1e6).all()
                    for rows in message.arrays):
                 return False
-            if message.worker == 1:
+            if message.worker == 1 and \
+                    message.seq <= max(self.handled) + SEQ_WINDOW:
+                # (beyond: refused as a jump, and not taken)
                 resend = message.seq <= self.hello_seq or \
                     message.seq in self.handled
+                if not resend and abs(message.seq - self.seq) > 1000:
+                    # Far from this worker's numbers, it moves the shard's
+                    # window: the lower ones would all count as handled.
+                    return False
                 self.taken.add(message.seq)
                 self.handled.add(message.seq)
         self.socket.send_multipart(frames)
@@ -271,21 +284,32 @@ class _KnownWorker:
         self.clk += 1
 
 
-def test_a_known_workers_mutated_requests_leave_its_tables_exact():
+# A longer campaign: GEEPS_FUZZ_REQUESTS=200000 GEEPS_FUZZ_SEED=7 pytest ...
+FUZZ_REQUESTS = int(os.environ.get("GEEPS_FUZZ_REQUESTS", 10_000))
+FUZZ_SEED = int(os.environ.get("GEEPS_FUZZ_SEED", 20261206))
+
+
+@pytest.mark.parametrize("shard_args", [
+    [], ["--deterministic-sums"],
+    ["--checkpoint-dir", "{tmp}", "--checkpoint-every", "3"]],
+    ids=["plain", "deterministic-sums", "checkpoints"])
+def test_a_known_workers_mutated_requests_leave_its_tables_exact(
+        tmp_path, shard_args):
     """10,000 mutated requests of a worker the shard knows reach its
     update, clock, read, declare and create handlers: every 50, worker 0
     catches up and reads, and the table must equal the reference (each
     update the shard took applied once, nothing else). No request may
     hit an internal error (a bug the shard survives, in its STATS)."""
-    cluster = LocalCluster(1, 2, processes=True, output=None)
+    cluster = LocalCluster(1, 2, processes=True, output=None, shard_args=[
+        arg.format(tmp=tmp_path) for arg in shard_args])
     context = zmq.Context()
-    rng = random.Random(20261206)
+    rng = random.Random(FUZZ_SEED)
     try:
         with cluster.client(0, timeout=30) as client:
             table = client.create_table("t", 4, 8)
             known = _KnownWorker(context, cluster.addresses[0], table)
             worker0_clock, sent = 0, 0
-            while sent < 10_000:
+            while sent < FUZZ_REQUESTS:
                 frames = [bytes(f)
                           for f in protocol.encode(known.seed(rng))]
                 if not known.attack(_mutated(rng, frames)):
@@ -302,8 +326,12 @@ def test_a_known_workers_mutated_requests_leave_its_tables_exact():
                                                known.reference, rtol=1e-5)
             stats = client.shard_stats()[0]
         assert stats["internal_errors"] == 0
-        assert stats["errors"] > 5_000  # most mutations are refused
-        assert stats["updates_applied"] > 1_000  # ... not all
+        assert stats["errors"] > FUZZ_REQUESTS // 2  # most are refused
+        assert stats["updates_applied"] > FUZZ_REQUESTS // 10  # not all
+        if "--checkpoint-every" in shard_args:
+            assert stats["checkpoints"] > 0
+        assert stats["deterministic_sums"] == ("--deterministic-sums"
+                                               in shard_args)
         assert cluster.shards[0].process.poll() is None
     finally:
         context.destroy(linger=0)
