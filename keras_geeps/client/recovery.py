@@ -118,7 +118,9 @@ class ShardRecovery:
 
     def retry_unanswered(self):
         """Says HELLO again where a recovery's HELLO went unanswered for
-        RECOVERY_HELLO_RETRY_S."""
+        RECOVERY_HELLO_RETRY_S (every I/O turn: nothing to do is cheap)."""
+        if not self._attempts:
+            return
         now = time.monotonic()
         for shard, attempt in list(self._attempts.items()):
             if not attempt.answered and \
