@@ -106,6 +106,17 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
     return path
 
 
+def _archive(path, f):
+    """The npz archive open in `f`; a file that does not start as one
+    is refused here (np.load would take it for a pickle)."""
+    if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
+        raise CheckpointError(f"{path} is not a checkpoint: it does not "
+                              f"start as an npz (zip) archive does "
+                              f"(torn, or another kind of file)")
+    f.seek(0)
+    return np.load(f, allow_pickle=False)
+
+
 def load(directory, shard_id, num_shards, num_workers):
     """Reads a shard's table snapshots (`load_job`'s first half)."""
     return load_job(directory, shard_id, num_shards, num_workers)[0]
@@ -131,13 +142,7 @@ def load_job(directory, shard_id, num_shards, num_workers):
         raise CheckpointError(f"no checkpoint of shard {shard_id}/"
                               f"{num_shards} at {path}")
     try:
-        with open(path, "rb") as f:
-            magic = f.read(len(ZIP_MAGIC))
-        if magic != ZIP_MAGIC:  # np.load would take it for a pickle
-            raise CheckpointError(f"{path} is not a checkpoint: it does not "
-                                  f"start as an npz (zip) archive does "
-                                  f"(torn, or another kind of file)")
-        with np.load(path, allow_pickle=False) as archive:
+        with open(path, "rb") as f, _archive(path, f) as archive:
             meta = json.loads(archive["meta"].tobytes().decode())
             if meta.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: format {meta.get('format')}"
