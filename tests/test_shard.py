@@ -214,7 +214,35 @@ def test_indexed_update_with_duplicates(peer):
     (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
           arrays=[np.array([7], np.int64), np.ones((1, 3), np.float32)]),
      "row index 7"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+          arrays=[np.array([-1], np.int64), np.ones((1, 3), np.float32)]),
+     "row index -1"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+          arrays=[np.ones((1, 3), np.float32)]), "carries [indices, rows]"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+          arrays=[np.array([1], np.int32), np.ones((1, 3), np.float32)]),
+     "1-D int64"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+          arrays=[np.array([[1]], np.int64), np.ones((1, 3), np.float32)]),
+     "1-D int64"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+          arrays=[np.array([1, 2], np.int64), np.ones((1, 3), np.float32)]),
+     "2 indices for 1 rows"),
+    # A second frame that is refused: the first must not be added either.
+    (dict(kind=MsgType.UPDATE, table=0, clk=0,
+          arrays=[np.ones((2, 3), np.float32), np.ones((2, 2), np.float32)]),
+     "width is 3"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0), "without rows"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"ref": [1, 3, 0, 48]},
+          arrays=[np.ones((4, 3), np.float32)]), "not both"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"ref": [1, 3, 0, 48]}),
+     "shares no memory"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"into": 1},
+          arrays=[np.ones((4, 3), np.float32)]), "carries no rows"),
+    (dict(kind=MsgType.UPDATE, table=0, clk=0, meta={"into": 1}),
+     "did not lend"),
     (dict(kind=MsgType.CLOCK, table=0, clk=3), "current clock is 0"),
+    (dict(kind=MsgType.CLOCK, table=5, clk=0), "unknown table 5"),
     (dict(kind=MsgType.DECLARE, table=0, meta=dict(SPEC, width=5)),
      "exists as"),
     (dict(kind=MsgType.HELLO, meta={"num_workers": 3}),
@@ -224,10 +252,49 @@ def test_indexed_update_with_duplicates(peer):
      "not a request"),
 ])
 def test_bad_requests_get_named_errors(peer, message, pattern):
+    """Each refusal names its problem and leaves nothing behind: the
+    clock then ends with the rows as they were (no frame of a refused
+    update added)."""
     reply = peer.ask(message.pop("kind"), **message)
     assert reply.type == MsgType.ERROR
     assert pattern in reply.meta["error"]
     np.testing.assert_array_equal(_read(peer), np.zeros((4, 3)))
+    assert peer.ask_past_pushes(MsgType.CLOCK, table=0,
+                                clk=0).type == MsgType.ACK
+    rows = peer.ask_past_pushes(MsgType.READ, table=0, clk=1)
+    assert rows.type == MsgType.ROWS, rows
+    np.testing.assert_array_equal(rows.arrays[0], np.zeros((4, 3)))
+
+
+def test_a_create_chunk_over_rows_already_written_is_refused_whole(peer):
+    """A table's initial rows come in chunks; one that overlaps rows
+    already written is refused, and none of its rows are written (its
+    corrected resend must find them free)."""
+    spec = dict(SPEC, name="chunked")
+    second = np.full((2, 3), 1, np.float32)  # rows [2, 4) first
+    assert peer.ask(MsgType.CREATE, table=1, arrays=[second],
+                    meta=dict(spec, chunk_row=2)).type == MsgType.ACK
+    for row, rows, over in [(2, 2, 2), (3, 1, 3), (1, 2, 1)]:
+        reply = peer.ask(MsgType.CREATE, table=1,
+                         arrays=[np.full((rows, 3), 7, np.float32)],
+                         meta=dict(spec, chunk_row=row))
+        assert reply.type == MsgType.ERROR, reply
+        assert f"rows from {over} are already initialised" in \
+            reply.meta["error"]
+    # Two frames, the second over written rows: the first is not kept.
+    reply = peer.ask(MsgType.CREATE, table=1,
+                     arrays=[np.full((1, 3), 7, np.float32),
+                             np.full((1, 3), 7, np.float32)],
+                     meta=dict(spec, chunk_row=1))
+    assert reply.type == MsgType.ERROR, reply
+    assert "rows from 2 are already initialised" in reply.meta["error"]
+    first = np.full((2, 3), 2, np.float32)
+    assert peer.ask(MsgType.CREATE, table=1, arrays=[first],
+                    meta=dict(spec, chunk_row=0)).type == MsgType.ACK
+    rows = peer.ask_past_pushes(MsgType.READ, table=1, clk=0)
+    assert rows.type == MsgType.ROWS, rows
+    np.testing.assert_array_equal(rows.arrays[0],
+                                  np.concatenate([first, second]))
 
 
 def test_limits_refuse_excess(shard, peer):
