@@ -42,9 +42,54 @@ SEEDS = [Message(kind, table=0, clk=0, worker=0, seq=5, arrays=arrays,
 ]]
 
 
+def _restructured(rng, frames):
+    """`frames` as a well-formed message whose arrays changed in kind, not
+    in bytes: one dropped, doubled, added, swapped, cast, reshaped or cut
+    short (the header describing them still fits, so the request gets
+    past decoding into the handler's own checks). `frames` unchanged
+    where they do not decode."""
+    try:
+        message = protocol.decode(frames)
+    except protocol.ProtocolError:
+        return frames
+    arrays = [np.array(a) for a in message.arrays]
+    dtypes = [np.float32, np.float64, np.int64, np.int32, np.uint8]
+    action = rng.choice(["drop", "double", "add", "swap", "cast",
+                         "reshape", "cut"])
+    index = rng.randrange(len(arrays)) if arrays else None
+    if action == "add" or index is None:
+        shape = [rng.randint(0, 5) for _ in range(rng.randint(0, 3))]
+        arrays.insert(rng.randint(0, len(arrays)), np.array(
+            [rng.randint(-2, 9) for _ in range(int(np.prod(shape)))]
+        ).astype(rng.choice(dtypes)).reshape(shape))
+    elif action == "drop":
+        del arrays[index]
+    elif action == "double":
+        arrays.insert(index, arrays[index])
+    elif action == "swap":
+        arrays.reverse()
+    elif action == "cast":  # (NaN or inf cast to an integer: whatever)
+        with np.errstate(invalid="ignore", over="ignore"):
+            arrays[index] = arrays[index].astype(rng.choice(dtypes))
+    elif action == "reshape":
+        array = arrays[index]
+        arrays[index] = rng.choice([array.reshape(-1), array[None],
+                                    array.reshape(array.shape[::-1])])
+    else:
+        array = arrays[index]
+        arrays[index] = array[:rng.randint(0, len(array))] \
+            if array.ndim else array.reshape(-1)[:0]
+    message.arrays = arrays
+    try:
+        return [bytes(f) for f in protocol.encode(message)]
+    except protocol.ProtocolError:
+        return frames
+
+
 def _mutated(rng, frames, least=0, most=4):
-    """`frames` after `least` to `most` bit flips, cuts, growths or header
-    values replaced (the header's own or its meta's), chosen by `rng`."""
+    """`frames` after `least` to `most` bit flips, cuts, growths, header
+    values replaced (the header's own or its meta's) or arrays changed
+    (`_restructured`), chosen by `rng`."""
     values = [
         lambda: rng.randint(-3, 10), lambda: rng.randint(-2**63, 2**64 - 1),
         lambda: None, lambda: rng.random() < 0.5, lambda: float("nan"),
@@ -57,7 +102,11 @@ def _mutated(rng, frames, least=0, most=4):
     for _ in range(rng.randint(least, most)):
         index = rng.randrange(len(frames))
         raw = bytearray(frames[index])
-        action = rng.choice(["flip", "cut", "grow", "header", "header"])
+        action = rng.choice(["flip", "cut", "grow", "header", "header",
+                             "arrays"])
+        if action == "arrays":
+            frames = _restructured(rng, frames)
+            continue
         if action == "flip" and raw:
             raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
         elif action == "cut":
