@@ -139,6 +139,8 @@ class RowPartitioner:
     >>> p = RowPartitioner(2)
     >>> p.place(rows=1000, row_bytes=512)
     [(0, 0, 500), (1, 500, 1000)]
+    >>> p.plan(rows=10, row_bytes=4)  # where the next would go: not placed
+    [(0, 0, 10)]
     """
 
     def __init__(self, num_shards, split_min_bytes=SPLIT_MIN_BYTES):
@@ -146,17 +148,25 @@ class RowPartitioner:
         self.split_min_bytes = split_min_bytes
         self.shard_bytes = [0] * num_shards
 
-    def place(self, rows, row_bytes):
-        """Returns [(shard, row_start, row_end), ...] for a new table."""
+    def plan(self, rows, row_bytes):
+        """Returns [(shard, row_start, row_end), ...] for a new table,
+        without counting it: a table whose creation fails must not move
+        where the later ones go (`take` counts one that was created)."""
         if (rows >= self.num_shards
                 and rows * row_bytes >= self.split_min_bytes):
-            parts = []
-            for shard in range(self.num_shards):
-                start = rows * shard // self.num_shards
-                end = rows * (shard + 1) // self.num_shards
-                parts.append((shard, start, end))
-                self.shard_bytes[shard] += (end - start) * row_bytes
-            return parts
+            return [(shard, rows * shard // self.num_shards,
+                     rows * (shard + 1) // self.num_shards)
+                    for shard in range(self.num_shards)]
         shard = min(range(self.num_shards), key=lambda s: self.shard_bytes[s])
-        self.shard_bytes[shard] += rows * row_bytes
         return [(shard, 0, rows)]
+
+    def take(self, parts, row_bytes):
+        """Counts the bytes of a table placed at `parts` (from `plan`)."""
+        for shard, start, end in parts:
+            self.shard_bytes[shard] += (end - start) * row_bytes
+
+    def place(self, rows, row_bytes):
+        """`plan`, then `take`: returns the new table's parts, counted."""
+        parts = self.plan(rows, row_bytes)
+        self.take(parts, row_bytes)
+        return parts

@@ -73,6 +73,64 @@ def test_client_names_bad_settings_and_unknown_tables(thread_cluster):
                                       np.zeros((2, 2)))
 
 
+def test_bad_table_arguments_are_named_and_leave_nothing_behind(
+        thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=5) as client:
+        for args, kwargs, error, pattern in [
+                ((5, 2, 2), {}, TypeError, "name is a str, got 5"),
+                (("", 2, 2), {}, ValueError, "must not be empty"),
+                (("t", 2.5, 2), {}, TypeError,
+                 r"'t': rows must be an integer, got 2.5 \(float\)"),
+                (("t", 2, "2"), {}, TypeError, "width must be an integer"),
+                (("t", True, 2), {}, TypeError, r"got True \(bool\)"),
+                (("t", -1, 2), {}, ValueError, "rows must be >= 0"),
+                (("t", 2, 0), {}, ValueError, "width >= 1"),
+                (("t", 2, 2), {"dtype": "complex64"}, ValueError,
+                 "cannot travel"),
+                (("t", 2, 2), {"init": np.ones(3)}, ValueError,
+                 "init has 3 elements, expected 4"),
+                (("t", 2, 2), {"init": ["a"] * 4}, ValueError,
+                 "init cannot be float32")]:
+            with pytest.raises(error, match=pattern):
+                client.create_table(*args, **kwargs)
+        assert client.tables == []
+        table = client.create_table("t", np.int64(2), np.int32(2))
+        assert (table.rows, table.width) == (2, 2)
+        assert type(table.rows) is int
+        with pytest.raises(ValueError, match="exists already"):
+            client.create_table("t", 2, 2)
+        with pytest.raises(TypeError, match="a clock is an integer"):
+            client.read(table, clock=0.5)
+        with pytest.raises(ValueError, match="update of table 't' cannot"):
+            client.update(table, [["a", "b"], ["c", "d"]])
+        with pytest.raises(ValueError, match="out has shape"):
+            client.read(table, out=np.empty((3, 2), np.float32))
+        with pytest.raises(TypeError, match="takes a list of tables"):
+            client.clock(3)
+        client.update(table, np.ones((2, 2)))
+        client.clock(table)  # one table, as well as a list of them
+        np.testing.assert_array_equal(client.read(table, clock=1), 1.0)
+
+
+def test_a_table_whose_creation_failed_moves_no_later_table(thread_cluster):
+    """Tables are placed by the order they were created in, the same on
+    every worker: one the creator failed to create (then made again) must
+    not shift where the others go, or the workers' placements part."""
+    cluster = thread_cluster(2, 2)
+    with cluster.client(0, timeout=10) as first, \
+            cluster.client(1, timeout=10) as second:
+        with pytest.raises(ValueError, match="init has 3 elements"):
+            first.create_table("a", 2, 2, init=np.ones(3))
+        made = [first.create_table(name, 2, 2, init=np.full((2, 2), i))
+                for i, name in enumerate("abc")]
+        declared = [second.create_table(name, 2, 2) for name in "abc"]
+        assert [t.parts for t in made] == [t.parts for t in declared]
+        assert {t.parts[0][0] for t in made} == {0, 1}
+        for i, table in enumerate(declared):
+            np.testing.assert_array_equal(second.read(table), i)
+
+
 def test_bsp_sums_over_two_shards(thread_cluster):
     cluster = thread_cluster(2, 3)
     init = np.arange(700 * 100, dtype=np.float32).reshape(700, 100)

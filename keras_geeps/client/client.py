@@ -14,9 +14,11 @@ large slack approximates asynchronous training.
 
 import atexit
 import collections
+import collections.abc
 import functools
 import itertools
 import logging
+import numbers
 import os
 import threading
 import time
@@ -52,6 +54,16 @@ def _same_memory(a, b):
     """True when arrays `a` and `b` are the very same memory (the buffer a
     caller filled is the one this client handed out)."""
     return a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes
+
+
+def _whole(name, field, value):
+    """`value` (an int or a numpy integer) as an int; a TypeError naming
+    table `name`'s `field` for anything else (a float, a bool, a str)."""
+    if isinstance(value, (bool, np.bool_)) or \
+            not isinstance(value, numbers.Integral):
+        raise TypeError(f"table {name!r}: {field} must be an integer, got "
+                        f"{value!r} ({type(value).__name__})")
+    return int(value)
 
 
 class _Delivery:
@@ -543,8 +555,14 @@ class GeePSClient:
         ```
         """
         self._raise_async_errors()
+        if not isinstance(name, str):
+            raise TypeError(f"a table's name is a str, got {name!r} "
+                            f"({type(name).__name__})")
+        if not name:
+            raise ValueError("a table's name must not be empty")
         if name in self._by_name:
             raise ValueError(f"table {name!r} exists already")
+        rows, width = _whole(name, "rows", rows), _whole(name, "width", width)
         if rows < 0 or width < 1:
             raise ValueError(f"table {name!r}: rows must be >= 0 and width "
                              f">= 1, got {rows} x {width}")
@@ -554,7 +572,8 @@ class GeePSClient:
                              f"{width * dtype.itemsize} bytes exceeds the "
                              f"shards' max_message_bytes "
                              f"({self.max_frame_bytes}); use narrower rows")
-        parts = self._partitioner.place(rows, width * dtype.itemsize)
+        # Counted once created: a creation that fails moves no later table.
+        parts = self._partitioner.plan(rows, width * dtype.itemsize)
         table = Table(len(self._tables), name, rows, width, dtype, parts,
                       self.read_my_writes and not per_clock, bool(per_clock))
         creator = self.worker_id == self.initializer
@@ -567,7 +586,11 @@ class GeePSClient:
                 request_parts.append(part)
         if creator:
             if init is not None:
-                values = np.asarray(init).astype(dtype, copy=False)
+                try:
+                    values = np.asarray(init).astype(dtype, copy=False)
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"table {name!r}: init cannot be "
+                                     f"{dtype.name}: {exc}") from None
                 if values.size != rows * width:
                     raise ValueError(f"table {name!r}: init has {values.size}"
                                      f" elements, expected {rows * width}")
@@ -594,6 +617,7 @@ class GeePSClient:
             self._tables.pop()
             del self._by_name[name]
             raise
+        self._partitioner.take(parts, width * dtype.itemsize)
         if creator:
             # Parts a shard held already (restored from a checkpoint, or a
             # running job this restarted creator joins) come pushed and
@@ -893,7 +917,14 @@ class GeePSClient:
     def _required_age(self, table, clock):
         """The data age a read of `table` at `clock` (None: its current
         clock) needs under the slack."""
-        return max(0, (table.clock if clock is None else clock) - self.slack)
+        if clock is None:
+            clock = table.clock
+        elif isinstance(clock, (bool, np.bool_)) or \
+                not isinstance(clock, numbers.Integral):
+            raise TypeError(f"a read of table {table.name!r} at clock "
+                            f"{clock!r}: a clock is an integer (or None: "
+                            f"this worker's clock of the table)")
+        return max(0, int(clock) - self.slack)
 
     def wait_fresh(self, what, clock=None):
         """Blocks until `what` is as fresh as the slack requires.
@@ -960,6 +991,9 @@ class GeePSClient:
         elif out.shape != (count, table.width):
             raise ValueError(f"out has shape {out.shape}, the read gives "
                              f"{(count, table.width)}")
+        elif not out.flags.writeable:
+            raise ValueError(f"out is read-only: a read of table "
+                             f"{table.name!r} cannot be written there")
         delivery = self._deliver_into(handle, out, clock)
         try:
             self.wait_fresh(handle, clock)
@@ -1014,7 +1048,7 @@ class GeePSClient:
         table = handle.table
         if out.dtype != table.dtype or not out.flags.c_contiguous or \
                 not out.flags.writeable:
-            return None  # (a read-only `out` fails in the caller's copy)
+            return None  # (a read-only `out` was refused before)
         regions = {}
         for part, buffer_rows, local_rows in handle.parts:
             _, start, end = table.parts[part]
@@ -1092,8 +1126,12 @@ class GeePSClient:
             raise ValueError(f"update of table {table.name!r} has "
                              f"{delta.size} elements, expected "
                              f"{count * table.width}")
-        delta = np.ascontiguousarray(delta.reshape(count, table.width),
-                                     dtype=table.dtype)
+        try:
+            delta = np.ascontiguousarray(delta.reshape(count, table.width),
+                                         dtype=table.dtype)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"update of table {table.name!r} cannot be "
+                             f"{table.dtype.name}: {exc}") from None
         with table.lock:  # the I/O thread replays own updates under it
             self._accumulate(table, handle, delta, copy)
             if table.read_my_writes:
@@ -1127,17 +1165,25 @@ class GeePSClient:
         """Finishes this worker's current clock: sends updates, then clocks.
 
         Args:
-            tables: the tables (or names) to clock; defaults to all. GeePS
-                clocks tables separately so each layer's update can leave
-                as soon as it is ready.
+            tables: the tables (or names) to clock, or one of them;
+                defaults to all. GeePS clocks tables separately so each
+                layer's update can leave as soon as it is ready.
 
         Raises:
             KeyError: a name of no table (then no table is clocked).
+            TypeError: `tables` is neither a table, a name nor a list of
+                them.
         """
         self._raise_async_errors()
-        # (every name is looked up first: one unknown clocks none)
+        if isinstance(tables, (str, Table)):
+            tables = [tables]
+        elif tables is not None and not isinstance(
+                tables, collections.abc.Iterable):
+            raise TypeError(f"clock() takes a list of tables or their "
+                            f"names, got {type(tables).__name__}")
+        # (every one is looked up first: one unknown clocks none)
         tables = self._tables if tables is None else [
-            self.table(t) if isinstance(t, str) else t for t in tables]
+            self.handle_for(t).table for t in tables]
         for table in tables:
             if self._keep_log and len(table.log) >= self._max_log_clocks:
                 self._wait_for_checkpoint(table)
