@@ -181,6 +181,38 @@ def test_virtual_iteration_row_subsets(thread_cluster):
             client.virtual_iteration().read(table, [2000])
 
 
+def test_access_rows_are_ids_or_a_mask_and_nothing_else(thread_cluster):
+    """An access's rows: integer ids (sorted, each once) or a boolean
+    mask of the table's rows; a float id (which would be cut to another
+    row), ids of another shape or a mask of another length are refused,
+    naming the table. Accesses may name their table."""
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=5) as client:
+        table = client.create_table("t", 4, 2, init=np.arange(8))
+        vi = client.virtual_iteration()
+        mask = np.array([True, False, True, False])
+        for rows, expected in [([3, 1, 3], [1, 3]), (mask, [0, 2]),
+                               (np.array([2], np.uint8), [2]), ([], [])]:
+            handle = vi.read("t", rows)
+            np.testing.assert_array_equal(handle.rows, expected)
+            np.testing.assert_array_equal(
+                client.read(handle), np.arange(8).reshape(4, 2)[expected])
+        for rows, error, pattern in [
+                ([1.5], TypeError, "'t' are integer ids, got float64"),
+                (["a"], TypeError, "integer ids"),
+                ([[1, 2]], ValueError, r"1-D list of row ids, got shape"),
+                ([True, False], ValueError, r"one entry per row \(4\)"),
+                ([-1, 2], ValueError, "row -1 is outside"),
+                (np.array([2**64 - 1], np.uint64), ValueError,
+                 "row 18446744073709551615 is outside")]:
+            with pytest.raises(error, match=pattern):
+                vi.update(table, rows)
+        with pytest.raises(KeyError, match="no table 'nope'"):
+            vi.read("nope")
+        with pytest.raises(TypeError, match="a Table or a table name"):
+            vi.read(0)
+
+
 def test_ssp_reads_within_bound_and_exact_age(thread_cluster):
     cluster = thread_cluster(1, 2)
     slack = 2

@@ -11,6 +11,8 @@ buffer) was computed once, here, instead of on every step. The recorded
 
 import numpy as np
 
+from keras_geeps.client.table import Table
+
 
 class AccessHandle:
     """One recorded access, with its pre-built indexes.
@@ -76,6 +78,40 @@ def build_part_index(table, rows):
     return index
 
 
+def row_ids(table, rows):
+    """`rows` of `table` as sorted unique int64 row ids.
+
+    Args:
+        table: the `Table`.
+        rows: a 1-D sequence of integer row ids, or a boolean mask with
+            one entry per row of the table (as numpy indexes by one).
+
+    Raises:
+        TypeError: ids that are not integers (a float would be cut short
+            to another row).
+        ValueError: ids that are not 1-D, a mask of another length, or
+            an id outside the table.
+    """
+    array = np.asarray(rows)
+    if array.dtype == np.bool_:
+        if array.shape != (table.rows,):
+            raise ValueError(f"a mask of table {table.name!r}'s rows has "
+                             f"one entry per row ({table.rows}), got shape "
+                             f"{array.shape}")
+        return np.flatnonzero(array).astype(np.int64)
+    if array.ndim != 1:
+        raise ValueError(f"rows of table {table.name!r} are a 1-D list of "
+                         f"row ids, got shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"rows of table {table.name!r} are integer ids, got "
+                        f"{array.dtype} {array[:3].tolist()}")
+    if array.size and (array.min() < 0 or array.max() >= table.rows):
+        bad = array.min() if array.min() < 0 else array.max()
+        raise ValueError(f"row {bad} is outside table {table.name!r} of "
+                         f"{table.rows} rows")
+    return np.unique(array.astype(np.int64))
+
+
 class AccessPlan:
     """The ordered accesses of one step, as recorded by a virtual iteration.
 
@@ -98,11 +134,7 @@ class AccessPlan:
     def add(self, kind, table=None, rows=None, name=None, nbytes=None):
         """Records one access and returns its handle."""
         if rows is not None:
-            rows = np.unique(np.asarray(rows, np.int64))
-            if rows.size and (rows[0] < 0 or rows[-1] >= table.rows):
-                bad = rows[0] if rows[0] < 0 else rows[-1]
-                raise ValueError(f"row {bad} is outside table "
-                                 f"{table.name!r} of {table.rows} rows")
+            rows = row_ids(table, rows)
         if nbytes is None:
             count = table.rows if rows is None else len(rows)
             nbytes = count * table.width * table.dtype.itemsize
@@ -125,10 +157,21 @@ class VirtualIteration:
 
     Args:
         plan: the `AccessPlan` to fill.
+        lookup: gives the `Table` of a name (`GeePSClient.table`), so that
+            accesses can name their table. Defaults to None (tables only).
     """
 
-    def __init__(self, plan):
+    def __init__(self, plan, lookup=None):
         self.plan = plan
+        self._lookup = lookup
+
+    def _table(self, table):
+        if isinstance(table, str) and self._lookup is not None:
+            return self._lookup(table)
+        if not isinstance(table, Table):
+            raise TypeError(f"expected a Table or a table name, got "
+                            f"{type(table).__name__}")
+        return table
 
     def __enter__(self):
         return self
@@ -137,12 +180,18 @@ class VirtualIteration:
         return False
 
     def read(self, table, rows=None):
-        """Records a read of `rows` (default: all) of `table`."""
-        return self.plan.add("read", table, rows)
+        """Records a read of `rows` (default: all) of `table` (or its name).
+
+        The read gives the rows in ascending order of id, each once
+        (`row_ids`: ids, or a boolean mask of the table's rows).
+        """
+        return self.plan.add("read", self._table(table), rows)
 
     def update(self, table, rows=None):
-        """Records an update of `rows` (default: all) of `table`."""
-        return self.plan.add("update", table, rows)
+        """Records an update of `rows` (default: all) of `table` (or its
+        name): its delta has one row per id, in ascending order, each
+        once (`row_ids`)."""
+        return self.plan.add("update", self._table(table), rows)
 
     def local(self, name, nbytes):
         """Records an access to private data (activations, optimizer state)."""

@@ -686,7 +686,7 @@ class GeePSClient:
         ```
         """
         self.access_plan = AccessPlan()
-        return VirtualIteration(self.access_plan)
+        return VirtualIteration(self.access_plan, self.table)
 
     # ------------------------------------------------------ the I/O side
     def _on_rows(self, shard, message, sealed=None):
