@@ -7,8 +7,13 @@ Example:
 Traceback (most recent call last):
 ...
 ValueError: num_shards must be an int >= 1, not 0
+>>> check_seconds("timeout", "2")
+Traceback (most recent call last):
+...
+ValueError: timeout must be a number of seconds > 0, not '2'
 """
 
+import math
 import numbers
 
 
@@ -27,3 +32,25 @@ def check_count(name, value, least):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
             or value < least:
         raise ValueError(f"{name} must be an int >= {least}, not {value!r}")
+
+
+def check_seconds(name, value, zero_means=None):
+    """Raises ValueError, naming `name`, unless `value` is a finite real
+    number of seconds above 0 (or 0 too, with `zero_means`).
+
+    Args:
+        name: what the value is called where the user gave it.
+        value: the value to check.
+        zero_means: what 0 means, where 0 is allowed ("never", say);
+            None (the default) where it is not.
+
+    Raises:
+        ValueError: "<name> must be a number of seconds > 0, not <value>"
+            (">= 0 (0: <zero_means>)" with `zero_means`).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or \
+            not math.isfinite(value) or value < 0 or \
+            (value == 0 and not zero_means):
+        bound = f">= 0 (0: {zero_means})" if zero_means else "> 0"
+        raise ValueError(f"{name} must be a number of seconds {bound}, not "
+                         f"{value!r}")

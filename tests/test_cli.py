@@ -63,8 +63,8 @@ def test_shard_restore_without_a_checkpoint_fails_in_one_line(tmp_path):
             ("--max-tables", "0", "max_tables must be an int >= 1, not 0"),
             ("--max-pending-clocks", "-1", "max_pending_clocks must be an "
              "int >= 0, not -1"),
-            ("--worker-timeout", "-1", "worker_timeout must be >= 0 "
-             "seconds")):
+            ("--worker-timeout", "-1", "worker_timeout must be a number "
+             "of seconds >= 0 (0: not watched), not -1.0")):
         result = _cli("shard", "--shard-id", "0", "--num-shards", "1",
                       "--num-workers", "1", flag, value)
         assert result.returncode == 1, (flag, result.stderr)

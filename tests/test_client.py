@@ -52,10 +52,25 @@ def test_cluster_spec_names_an_address_that_is_not_tcp_host_port():
 def test_client_names_bad_settings_and_unknown_tables(thread_cluster):
     cluster = thread_cluster(1, 1)
     for bad in (0, -1, float("nan")):
-        with pytest.raises(ValueError, match="timeout must be > 0"):
+        with pytest.raises(ValueError, match="timeout must be a number of "
+                                             "seconds > 0"):
             cluster.client(0, timeout=bad)
-    with pytest.raises(ValueError, match="slack must be >= 0, got -1"):
-        cluster.client(0, slack=-1)
+    for kwargs, error, pattern in [
+            ({"slack": -1}, ValueError, "slack must be an int >= 0, not -1"),
+            ({"slack": 1.5}, ValueError, "slack must be an int >= 0"),
+            ({"slack": "1"}, ValueError, "slack must be an int >= 0"),
+            ({"timeout": "x"}, ValueError, "timeout must be a number"),
+            ({"initializer": 1}, ValueError, r"worker in \[0, 1\), not 1"),
+            ({"chunk_bytes": 0}, ValueError, "chunk_bytes must be an int"),
+            ({"heartbeat_interval": -1}, ValueError,
+             r"heartbeat_interval must be a number of seconds >= 0 \(0: "
+             r"none sent\)"),
+            ({"max_log_clocks": 0}, ValueError, "max_log_clocks must be"),
+            ({"curve": ("a", "b")}, TypeError, "ClientKeys"),
+            ({"cluster": "tcp://127.0.0.1:1"}, TypeError,
+             "cluster must be a ClusterSpec")]:
+        with pytest.raises(error, match=pattern):
+            GeePSClient(**dict({"cluster": cluster.spec(0)}, **kwargs))
     with cluster.client(0, timeout=5) as client:
         client.create_table("b", 2, 2)
         client.create_table("a", 2, 2)
@@ -80,12 +95,13 @@ def test_bad_table_arguments_are_named_and_leave_nothing_behind(
         for args, kwargs, error, pattern in [
                 ((5, 2, 2), {}, TypeError, "name is a str, got 5"),
                 (("", 2, 2), {}, ValueError, "must not be empty"),
-                (("t", 2.5, 2), {}, TypeError,
-                 r"'t': rows must be an integer, got 2.5 \(float\)"),
-                (("t", 2, "2"), {}, TypeError, "width must be an integer"),
-                (("t", True, 2), {}, TypeError, r"got True \(bool\)"),
-                (("t", -1, 2), {}, ValueError, "rows must be >= 0"),
-                (("t", 2, 0), {}, ValueError, "width >= 1"),
+                (("t", 2.5, 2), {}, ValueError,
+                 "table 't': rows must be an int >= 0, not 2.5"),
+                (("t", 2, "2"), {}, ValueError,
+                 "width must be an int >= 1, not '2'"),
+                (("t", True, 2), {}, ValueError, "not True"),
+                (("t", -1, 2), {}, ValueError, "rows must be an int >= 0"),
+                (("t", 2, 0), {}, ValueError, "width must be an int >= 1"),
                 (("t", 2, 2), {"dtype": "complex64"}, ValueError,
                  "cannot travel"),
                 (("t", 2, 2), {"init": np.ones(3)}, ValueError,

@@ -493,8 +493,11 @@ def test_settings_out_of_range_are_named():
             ({"poll_timeout_ms": 0}, "poll_timeout_ms must be an int >= 1"),
             ({"max_held_buffers": -1}, "max_held_buffers must be an int >= "
                                        "0"),
-            ({"worker_timeout": float("nan")}, "worker_timeout must be >= "
-                                               "0 seconds")):
+            ({"worker_timeout": float("nan")}, "worker_timeout must be a "
+                                               "number of seconds >= 0"),
+            ({"worker_timeout": "5"}, "worker_timeout must be a number of "
+                                      "seconds >= 0 \\(0: not watched\\), "
+                                      "not '5'")):
         with pytest.raises(ValueError, match=problem):
             ShardSettings(**kwargs)
     settings = ShardSettings(max_pending_clocks=0, max_held_buffers=0,

@@ -27,6 +27,8 @@ import weakref
 import numpy as np
 
 from keras_geeps import protocol, seal, shm
+from keras_geeps.auth import ClientKeys
+from keras_geeps.checks import check_count, check_seconds
 from keras_geeps.client.access import (AccessHandle, AccessPlan,
                                        VirtualIteration)
 from keras_geeps.client.connection import CLOSED, Future, IOThread
@@ -54,16 +56,6 @@ def _same_memory(a, b):
     """True when arrays `a` and `b` are the very same memory (the buffer a
     caller filled is the one this client handed out)."""
     return a.ctypes.data == b.ctypes.data and a.nbytes == b.nbytes
-
-
-def _whole(name, field, value):
-    """`value` (an int or a numpy integer) as an int; a TypeError naming
-    table `name`'s `field` for anything else (a float, a bool, a str)."""
-    if isinstance(value, (bool, np.bool_)) or \
-            not isinstance(value, numbers.Integral):
-        raise TypeError(f"table {name!r}: {field} must be an integer, got "
-                        f"{value!r} ({type(value).__name__})")
-    return int(value)
 
 
 class _Delivery:
@@ -150,13 +142,33 @@ class GeePSClient:
                  heartbeat_interval=1.0, curve=None, shared_memory=None,
                  max_log_clocks=None):
         self.cluster = cluster or ClusterSpec.from_env()
-        if slack < 0:
-            raise ValueError(f"slack must be >= 0, got {slack}")
+        if not isinstance(self.cluster, ClusterSpec):
+            raise TypeError(f"cluster must be a ClusterSpec (or None: from "
+                            f"the launcher's variables or TF_CONFIG), got "
+                            f"{type(cluster).__name__}")
+        check_count("slack", slack, 0)
         self.slack = int(slack)
-        if not float(timeout) > 0:
-            raise ValueError(f"timeout must be > 0 seconds (every wait is "
-                             f"bounded), got {timeout}")
+        check_seconds("timeout", timeout)  # (every wait is bounded)
         self.timeout = float(timeout)
+        check_count("initializer", initializer, 0)
+        if initializer >= self.cluster.num_workers:
+            raise ValueError(f"initializer must be a worker in [0, "
+                             f"{self.cluster.num_workers}), not "
+                             f"{initializer}")
+        check_count("chunk_bytes", chunk_bytes, 1)
+        check_seconds("heartbeat_interval", heartbeat_interval,
+                      zero_means="none sent")
+        if max_log_clocks is not None:
+            check_count("max_log_clocks", max_log_clocks, 1)
+        if curve is not None and not isinstance(curve, ClientKeys):
+            raise TypeError(f"curve must be a keras_geeps.auth.ClientKeys "
+                            f"(ClientKeys(secret_key_file, server_key_file"
+                            f")), got {type(curve).__name__}")
+        if curve is not None and len(curve.server_keys) not in (
+                1, self.cluster.num_shards):
+            raise ValueError(f"curve holds {len(curve.server_keys)} shard "
+                             f"keys for {self.cluster.num_shards} shards: "
+                             f"give one for all, or one per shard")
         self.read_my_writes = read_my_writes
         self.initializer = initializer
         self.chunk_bytes = chunk_bytes
@@ -562,10 +574,9 @@ class GeePSClient:
             raise ValueError("a table's name must not be empty")
         if name in self._by_name:
             raise ValueError(f"table {name!r} exists already")
-        rows, width = _whole(name, "rows", rows), _whole(name, "width", width)
-        if rows < 0 or width < 1:
-            raise ValueError(f"table {name!r}: rows must be >= 0 and width "
-                             f">= 1, got {rows} x {width}")
+        check_count(f"table {name!r}: rows", rows, 0)
+        check_count(f"table {name!r}: width", width, 1)
+        rows, width = int(rows), int(width)  # (numpy integers too)
         dtype = protocol.numpy_dtype(protocol.dtype_name(dtype))
         if width * dtype.itemsize > self.max_frame_bytes:
             raise ValueError(f"table {name!r}: one row of "

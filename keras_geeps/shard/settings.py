@@ -1,7 +1,7 @@
 """A shard's limits and tuning, and the error of a refused request."""
 
 from keras_geeps import protocol, shm
-from keras_geeps.checks import check_count
+from keras_geeps.checks import check_count, check_seconds
 
 
 class ShardSettings:
@@ -83,9 +83,8 @@ class ShardSettings:
                 ("checkpoint_every", checkpoint_every, 0),
                 ("max_held_buffers", max_held_buffers, 0)):
             check_count(name, value, least)
-        if not float(worker_timeout) >= 0:
-            raise ValueError(f"worker_timeout must be >= 0 seconds (0: not "
-                             f"watched), not {worker_timeout!r}")
+        check_seconds("worker_timeout", worker_timeout,
+                      zero_means="not watched")
         if on_worker_failure not in ("stop", "continue"):
             raise ValueError(f"on_worker_failure must be 'stop' or "
                              f"'continue', not {on_worker_failure!r}")

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 
+from keras_geeps.auth import ClientKeys
 from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
@@ -155,6 +156,16 @@ def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
     assert time.monotonic() - started < 5
     stats = curve_cluster.shards[0]
     assert stats.process.poll() is None  # the shard keeps running
+
+
+def test_a_key_list_that_does_not_fit_the_shards_is_named(keys):
+    """Shard keys are one for all shards or one per shard: two for one
+    shard is refused before anything connects."""
+    curve = ClientKeys(keys / "worker.key_secret",
+                       [keys / "shard.key", keys / "shard.key"])
+    spec = ClusterSpec(["tcp://127.0.0.1:9"], 1, 0)  # (never reached)
+    with pytest.raises(ValueError, match="2 shard keys for 1 shards"):
+        GeePSClient(spec, timeout=1, curve=curve)
 
 
 def test_everything_after_hello_travels_sealed(keys, curve_cluster):
