@@ -286,8 +286,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
 
         Args:
             model: a built Keras model that is a chain of layers.
-            optimizer: a Keras optimizer (copied per layer).
-            loss: `loss(y_true, y_pred)` returning a scalar.
+            optimizer: a Keras optimizer (copied per layer), or its name.
+            loss: a Keras loss, its name, or `loss(y_true, y_pred)`;
+                per-sample losses are averaged over the batch.
             batch_size: the per-worker batch size.
             offload_activations: None, "auto" or a list of layer names.
                 Defaults to None.

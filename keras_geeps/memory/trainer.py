@@ -43,6 +43,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_geeps import ops
+from keras_geeps.checks import check_count
 from keras_geeps.errors import GeePSError
 from keras_geeps.memory import swapping
 from keras_geeps.memory.planner import plan as make_plan
@@ -290,6 +291,18 @@ class _Unit:
         return hosts
 
 
+def _batch_mean(loss):
+    """`loss` made to return a scalar: its per-sample values averaged (a
+    scalar is its own mean), as `model.compile` reduces a loss."""
+    if not callable(loss):
+        raise TypeError(f"loss must be a Keras loss, its name or a callable "
+                        f"loss(y_true, y_pred), got {type(loss).__name__}")
+
+    def mean_loss(y_true, y_pred):
+        return tf.reduce_mean(loss(y_true, y_pred))
+    return mean_loss
+
+
 class LayerwiseTrainer:
     """Trains a Keras model layer by layer within a device-memory budget.
 
@@ -328,8 +341,11 @@ class LayerwiseTrainer:
 
     Args:
         model: a built Keras model (chain of layers).
-        optimizer: a Keras optimizer (copied per layer).
-        loss: a callable `loss(y_true, y_pred)` returning a scalar.
+        optimizer: a Keras optimizer (copied per layer), or its name
+            ("sgd", "adam"), as `model.compile` takes it.
+        loss: a Keras loss, its name ("mse"), or a callable
+            `loss(y_true, y_pred)`; per-sample losses are averaged over
+            the batch, as `model.compile` reduces them.
         batch_size: the training batch size (for the activation sizes).
         device_memory_budget: bytes the trainer may hold on the device
             (tables, non-trainable variables such as frozen layers and
@@ -348,6 +364,14 @@ class LayerwiseTrainer:
     def __init__(self, model, optimizer, loss, batch_size,
                  device_memory_budget=None, offload_activations=None,
                  sync=None, device=None, audit=False):
+        import keras  # noqa: PLC0415
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"model must be a Keras model, got "
+                            f"{type(model).__name__}")
+        check_count("batch_size", batch_size, 1)
+        optimizer = keras.optimizers.get(optimizer)
+        loss = _batch_mean(keras.losses.get(loss) if isinstance(loss, str)
+                           else loss)
         if device is None:
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")

@@ -371,3 +371,47 @@ def test_the_tapes_kept_until_the_backward_are_in_the_plan():
         keras.layers.Dense(3, activation="gelu")])
     seq = record_model(dropout_first, BATCH)
     assert plan(seq).tape_bytes == seq.units[1].output_bytes
+
+
+def test_arguments_take_keras_names_and_bad_ones_are_named():
+    """As `model.compile` does, the optimizer and loss may be given by
+    name, and a loss returning per-sample values is averaged over the
+    batch: the weights then equal those of the Loss object's run. Bad
+    arguments are named before anything is built."""
+    def build():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(5),
+                                 keras.layers.Dense(3)])
+    rng = np.random.default_rng(2)
+    data = [(rng.standard_normal((BATCH, 6)).astype("float32"),
+             rng.standard_normal((BATCH, 3)).astype("float32"))
+            for _ in range(3)]
+    weights = []
+    for optimizer, loss in [(keras.optimizers.SGD(0.01),
+                             keras.losses.MeanSquaredError()),
+                            ("sgd", "mse"),
+                            ("sgd", keras.losses.mean_squared_error)]:
+        model = build()
+        trainer = LayerwiseTrainer(model, optimizer, loss, BATCH)
+        try:
+            for x, y in data:
+                assert trainer.train_step(x, y).shape.rank == 0
+            trainer.materialize()
+            weights.append(model.get_weights())
+        finally:
+            trainer.close()
+    for other in weights[1:]:  # ("sgd" is SGD(0.01))
+        for a, b in zip(weights[0], other):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(weights[0][0], build().get_weights()[0])
+    for args, error, pattern in [
+            ((None, "sgd", "mse", BATCH), TypeError, "a Keras model, got "
+                                                     "NoneType"),
+            ((build(), "sgd", "mse", 0), ValueError,
+             "batch_size must be an int >= 1, not 0"),
+            ((build(), "sgd", "mse", 2.5), ValueError, "batch_size"),
+            ((build(), "sgd", 5, BATCH), TypeError,
+             "loss must be a Keras loss, its name or a callable"),
+            ((build(), "nope", "mse", BATCH), ValueError, "nope")]:
+        with pytest.raises(error, match=pattern):
+            LayerwiseTrainer(*args)
