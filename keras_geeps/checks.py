@@ -1,4 +1,5 @@
-"""Checks of counts and limits given by a user, shared by every layer.
+"""Checks of counts, limits and seconds given by a user, shared by every
+layer: each refusal names the value as the user called it.
 
 Example:
 
