@@ -60,8 +60,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         update_mode: "average" or "sum". Defaults to "average".
         timeout: seconds any wait for shards or other workers may take
             before a `GeePSTimeoutError`. Defaults to 120.
-        device: where the variables and the step run. Defaults to None:
-            the first GPU if one is visible, else the CPU.
+        device: where the variables and the step run, one of this
+            process's devices ("/gpu:1"; another is refused). Defaults to
+            None: the first GPU if one is visible, else the CPU.
         client: an existing `GeePSClient` to use. Defaults to None (one is
             created from `cluster`, `slack`, `timeout` and `curve`).
         curve: a `keras_geeps.auth.ClientKeys` when the shards require
@@ -142,6 +143,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         if device is None:
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")
+        else:
+            _check_device(device)
         self.client = client
         self.parameter_sync = ParameterSync(client, update_mode,
                                             capture_updates=capture_updates)
@@ -196,7 +199,8 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                 Declare it with `dataset.apply(
                 tf.data.experimental.assert_cardinality(n))` (n elements in
                 all, before sharding), or `repeat()` the dataset and pass
-                `steps_per_epoch` to `fit`.
+                `steps_per_epoch` to `fit`. Or it has fewer elements than
+                there are workers: each worker's share would be empty.
         """
         if not shard or self.num_workers == 1:
             return dataset
@@ -212,6 +216,12 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                 "dataset.apply(tf.data.experimental.assert_cardinality(n)) "
                 "with n the elements in all, before distribute_dataset; or "
                 "repeat() the dataset and pass steps_per_epoch to fit")
+        if 0 <= count < self.num_workers:
+            raise ValueError(
+                f"distribute_dataset: the dataset has {count} elements "
+                f"(batches), fewer than the {self.num_workers} workers, so "
+                f"each worker's share would be empty: batch it smaller or "
+                f"repeat() it")
         shard_ds = dataset.shard(self.num_workers, self.worker_id)
         if count >= 0:
             shard_ds = shard_ds.take(count // self.num_workers)
@@ -326,6 +336,24 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             self._memory.close()
         _tf_hooks.release_sync(self.parameter_sync)
         self.client.close()
+
+
+def _check_device(device):
+    """Raises ValueError unless `device` names one of this process's
+    devices ("/gpu:0", "GPU:1", "/device:CPU:0"): TensorFlow would place
+    the step elsewhere without a word."""
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device {device!r} is not a device name "
+                         f"('/gpu:0', '/cpu:0'): {exc}") from None
+    have = [tf.DeviceSpec.from_string(d.name)
+            for d in tf.config.list_logical_devices()]
+    if not spec.device_type or not any(
+            d.device_type == spec.device_type.upper()
+            and d.device_index == (spec.device_index or 0) for d in have):
+        raise ValueError(f"device {device!r} is none of this process's "
+                         f"devices: {[d.to_string() for d in have]}")
 
 
 class _BudgetGuard:

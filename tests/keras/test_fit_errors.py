@@ -151,6 +151,12 @@ def test_a_dataset_of_unknown_length_is_refused_with_the_remedy(
         assert list(endless.take(4).as_numpy_iterator()) == [2, 6, 0, 4]
         # Already split per worker, or one worker: nothing to even out.
         assert strategies[0].distribute_dataset(evens, shard=False) is evens
+        # Fewer batches than workers: every share would be empty (fit
+        # would end in a bare StopIteration).
+        for strategy in strategies:
+            with pytest.raises(ValueError, match="1 elements .batches., "
+                               "fewer than the 2 workers"):
+                strategy.distribute_dataset(counted.batch(5))
     finally:
         for strategy in strategies:
             strategy.close()

@@ -156,6 +156,13 @@ def test_a_failed_strategy_leaves_no_client_behind(thread_cluster):
     with pytest.raises(ValueError, match="bogus"):
         GeePSStrategy(cluster=cluster.spec(0), device="bogus device")
     assert _io_threads() == []
+    # A device this process does not have: TensorFlow would place the step
+    # elsewhere without a word.
+    for absent in ("/gpu:7", "/tpu:0", "/cpu:1"):
+        with pytest.raises(ValueError, match=f"device '{absent}' is none of "
+                                             f"this process's devices"):
+            GeePSStrategy(cluster=cluster.spec(0), device=absent)
+    assert _io_threads() == []
     # A client the caller gave stays open.
     client = cluster.client(0, timeout=20)
     try:
