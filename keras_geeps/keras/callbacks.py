@@ -2,6 +2,8 @@
 
 import keras
 
+from keras_geeps.errors import GeePSError
+
 
 class ParameterServerCallback(keras.callbacks.Callback):
     """Reports parameter-server figures per epoch and syncs at the end.
@@ -15,7 +17,8 @@ class ParameterServerCallback(keras.callbacks.Callback):
     same trainable weights (under `use_ema` the moving averages, already
     written everywhere when `fit` finalized the optimizer: see
     `ParameterSync.finalize_moving_average`); and it turns XLA off (XLA
-    cannot run the sync).
+    cannot run the sync). A model built outside the strategy's scope is
+    refused as training begins (`GeePSError`): it would train alone.
 
     Args:
         strategy: the `GeePSStrategy`.
@@ -35,9 +38,30 @@ class ParameterServerCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._synced = False
+        self._check_model()
         if getattr(self.model, "jit_compile", False):
             self.model.jit_compile = False
             self.model.make_train_function(force=True)
+
+    def _check_model(self):
+        """Refuses a model built outside the strategy's scope: no table
+        holds its variables, and `fit` would train it on this worker
+        alone, without a word (Keras fits it under the strategy it was
+        built in)."""
+        outside = self.strategy.parameter_sync.not_held(
+            self.model.trainable_variables)
+        if self.model.distribute_strategy is self.strategy and not outside:
+            return
+        names = ", ".join(v.path if hasattr(v, "path") else v.name
+                          for v in outside[:3])
+        if len(outside) > 3:
+            names += f" and {len(outside) - 3} more"
+        raise GeePSError(
+            f"model {self.model.name!r} was not built in strategy.scope()"
+            f"{f' (its variables {names})' if names else ''}: no "
+            f"parameter table holds its variables, so fit would train it "
+            f"on this worker alone. Build the model, and compile it, inside "
+            f"`with strategy.scope():`")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = self.strategy.ps_stats()

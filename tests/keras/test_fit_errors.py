@@ -7,6 +7,7 @@ re-raise a `GeePSTimeoutError` or `GeePSWorkerFailedError` would come out
 of `fit` as `tf.errors.UnknownError`.
 """
 
+import contextlib
 import os
 import threading
 import time
@@ -19,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 import tensorflow as tf  # noqa: E402
 
-from keras_geeps.errors import (GeePSTimeoutError,  # noqa: E402
+from keras_geeps.errors import (GeePSError, GeePSTimeoutError,  # noqa
                                 GeePSWorkerFailedError)
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
 from keras_geeps.shard import ShardSettings  # noqa: E402
@@ -116,6 +117,39 @@ def test_train_on_batch_raises_the_geeps_error_too(thread_cluster):
         strategy.close()
         if stalled is not None:
             stalled.close()
+
+
+def test_a_model_built_outside_the_scope_is_refused_not_trained_alone(
+        thread_cluster):
+    """Keras fits a model under the strategy it was built in: one built
+    outside the scope would train on this worker alone, with no table,
+    silently. With the strategy's callbacks, fit refuses it, naming its
+    variables, and has changed nothing; the model built inside trains."""
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+    try:
+        x, y = regression_data(8)
+        outside = keras.Sequential([keras.Input((5,)),
+                                    keras.layers.Dense(2, name="alone")])
+        for compile_inside in (False, True):
+            with strategy.scope() if compile_inside else \
+                    contextlib.nullcontext():
+                outside.compile(optimizer="sgd", loss="mse",
+                                jit_compile=False)
+            before = outside.get_weights()
+            with pytest.raises(GeePSError, match=r"model 'sequential\w*' "
+                               r"was not built in strategy.scope\(\) \(its "
+                               r"variables sequential\w*/alone/kernel"):
+                outside.fit(x, y, batch_size=BATCH, verbose=0,
+                            callbacks=strategy.callbacks())
+            for a, b in zip(before, outside.get_weights()):
+                np.testing.assert_array_equal(a, b)
+        model = small_model(strategy)
+        model.fit(x, y, batch_size=BATCH, verbose=0,
+                  callbacks=strategy.callbacks())
+        assert strategy.client.shard_stats()[0]["updates_applied"] > 0
+    finally:
+        strategy.close()
 
 
 # ------------------------------------------------------ distribute_dataset
