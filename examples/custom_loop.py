@@ -4,8 +4,9 @@
 `tf.distribute` strategy: before the step each layer's table is pulled (as
 fresh as the slack requires), after it the optimizer's update of each layer
 is pushed and the table clocked. Create the model and the optimizer inside
-`strategy.scope()`; call `strategy.sync()` at the end so every worker holds
-the final parameters.
+`strategy.scope()`; run the steps within `strategy.reraise()` so the
+parameter server's errors keep their class; call `strategy.sync()` at the
+end so every worker holds the final parameters.
 
     keras-geeps launch --workers 2 --shards 2 -- python examples/custom_loop.py
 
@@ -61,11 +62,14 @@ def main():
             return loss
         return strategy.run(step, args=(images, labels))
 
-    for epoch in range(args.epochs):
-        losses = [float(train_step(images, labels))
-                  for images, labels in dataset]
-        print(f"worker {strategy.worker_id} epoch {epoch + 1}: "
-              f"loss {np.mean(losses):.4f}", flush=True)
+    # (reraise: a GeePSTimeoutError or GeePSWorkerFailedError of a step
+    # keeps its class, instead of TensorFlow's UnknownError)
+    with strategy.reraise():
+        for epoch in range(args.epochs):
+            losses = [float(train_step(images, labels))
+                      for images, labels in dataset]
+            print(f"worker {strategy.worker_id} epoch {epoch + 1}: "
+                  f"loss {np.mean(losses):.4f}", flush=True)
     strategy.sync()  # every worker now holds the final parameters
     accuracy = float((model.predict(x, verbose=0).argmax(1) == y).mean())
     figures = {"worker": strategy.worker_id, "final_loss": float(

@@ -4,6 +4,13 @@
 class GeePSError(RuntimeError):
     """Base class of keras_geeps runtime errors."""
 
+    # Built from its message alone, as Exception is: raised while
+    # TensorFlow traces a user's tf.function (a step that trains a
+    # variable outside the strategy's scope), AutoGraph can then rebuild
+    # it with the user's source lines added, keeping its class, where it
+    # would otherwise make a StagingError of it.
+    __init__ = Exception.__init__
+
 
 class GeePSTimeoutError(GeePSError, TimeoutError):
     """A bounded wait ran out: a shard is dead or workers are behind.

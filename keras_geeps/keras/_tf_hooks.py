@@ -414,16 +414,25 @@ def _install_reraise():
 
         @functools.wraps(original)
         def reraising(self, *args, _original=original, **kwargs):
-            try:
+            with reraising_failures():
                 return _original(self, *args, **kwargs)
-            except tf_errors.OpError as error:
-                failure = _take_failure(error)
-                if failure is None:
-                    raise
-                raise _copy(failure) from error
 
         reraising._geeps_reraises = True
         setattr(owner, name, reraising)
+
+
+@contextlib.contextmanager
+def reraising_failures():
+    """Within it, a `tf.errors.OpError` that reports an exception a sync's
+    pull or push op raised comes out as that exception (a copy, chained
+    to TensorFlow's error); any other error as it is."""
+    try:
+        yield
+    except tf_errors.OpError as error:
+        failure = _take_failure(error)
+        if failure is None:
+            raise
+        raise _copy(failure) from error
 
 
 def _copy(failure):

@@ -254,6 +254,27 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
                 checkpoint_path, **checkpoint_kwargs), self))
         return callbacks
 
+    def reraise(self):
+        """A context in which a step's parameter-server errors keep their
+        class: for custom training loops.
+
+        A pull or push runs inside the step as a `tf.py_function`, which
+        hands TensorFlow only its exception's message: a
+        `GeePSTimeoutError` or `GeePSWorkerFailedError` comes out of a
+        `tf.function` as `tf.errors.UnknownError`. `fit`, `evaluate`,
+        `predict` and `*_on_batch` re-raise it as itself; around your own
+        steps, this does (any other error passes unchanged).
+
+        Example:
+
+        ```python
+        with strategy.reraise():
+            for x, y in dataset:
+                train_step(x, y)   # a tf.function calling strategy.run
+        ```
+        """
+        return _tf_hooks.reraising_failures()
+
     def sync(self):
         """Brings every worker's variables to the shards' latest values.
 

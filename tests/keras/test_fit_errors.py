@@ -58,6 +58,48 @@ def test_a_pull_timing_out_inside_fit_raises_geeps_timeout_error(
         strategy.close()
 
 
+def test_a_custom_loops_errors_keep_their_class(thread_cluster):
+    """In a custom loop, a pull timing out comes out of the user's
+    tf.function as TensorFlow's UnknownError, and within
+    `strategy.reraise()` as GeePSTimeoutError; a step that trains a
+    variable outside the scope fails its tracing with GeePSError (not
+    AutoGraph's StagingError), naming the variable."""
+    cluster = thread_cluster(1, 2)  # worker 1 never comes
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=1.5))
+    try:
+        model = small_model(strategy)
+        x, y = regression_data(BATCH)
+        loss_fn = keras.losses.MeanSquaredError()
+
+        def train_step(model, optimizer):
+            def step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x, training=True))
+                variables = model.trainable_variables
+                optimizer.apply_gradients(
+                    zip(tape.gradient(loss, variables), variables))
+                return loss
+            return tf.function(lambda x, y: strategy.run(step, args=(x, y)))
+
+        in_scope = train_step(model, model.optimizer)
+        in_scope(x, y)  # step 1 needs no other worker's clock
+        with pytest.raises(tf.errors.UnknownError, match="workers \\[1\\]"):
+            in_scope(x, y)
+        with pytest.raises(GeePSTimeoutError, match="workers \\[1\\]") as \
+                excinfo:
+            with strategy.reraise():
+                in_scope(x, y)
+        _from_a_step(excinfo)
+        with strategy.reraise(), pytest.raises(ValueError, match="boom"):
+            raise ValueError("boom")  # anything else passes unchanged
+        outside = keras.Sequential([keras.Input((5,)),
+                                    keras.layers.Dense(2, name="alone")])
+        with pytest.raises(GeePSError, match="alone/kernel"):
+            train_step(outside, keras.optimizers.SGD(0.1))(x, y)
+    finally:
+        strategy.close()
+
+
 def _dying_pair(thread_cluster):
     """Worker 0's strategy (slack 1: the catch-up ending a one-step fit or
     train_on_batch waits for no one) on a 2-worker cluster whose shard
