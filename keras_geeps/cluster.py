@@ -9,6 +9,8 @@ needed; shards check that all workers agree.
 import json
 import os
 
+from keras_geeps.checks import check_count
+
 ENV_SHARDS = "KERAS_GEEPS_SHARDS"          # comma-separated shard addresses
 ENV_NUM_WORKERS = "KERAS_GEEPS_NUM_WORKERS"
 ENV_WORKER_ID = "KERAS_GEEPS_WORKER_ID"
@@ -29,6 +31,7 @@ class ClusterSpec:
     Raises:
         ValueError: no shards, an address that is not a TCP host and port,
             no workers, or a worker_id outside [0, num_workers).
+        TypeError: one address where a list of them is due.
 
     Example:
 
@@ -38,12 +41,15 @@ class ClusterSpec:
     """
 
     def __init__(self, shards, num_workers=1, worker_id=0):
+        if isinstance(shards, (str, bytes)):
+            raise TypeError(f"shards is a list of addresses, got one "
+                            f"{type(shards).__name__}: [{shards!r}]?")
         if not shards:
             raise ValueError("a cluster needs at least one shard address")
         self.shards = [_as_zmq_address(a) for a in shards]
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if not 0 <= worker_id < num_workers:
+        check_count("num_workers", num_workers, 1)
+        check_count("worker_id", worker_id, 0)
+        if not worker_id < num_workers:
             raise ValueError(f"worker_id {worker_id} is not in "
                              f"[0, {num_workers})")
         self.num_workers = int(num_workers)

@@ -120,7 +120,7 @@ def test_launch_and_shard_refuse_counts_that_cannot_be():
             f"not {workers} and {shards}")
     for (shard, workers), problem in (
             (("2", "1"), "shard_id 2 is not in [0, 2)"),
-            (("0", "0"), "num_workers must be >= 1, got 0")):
+            (("0", "0"), "num_workers must be an int >= 1, not 0")):
         result = _cli("shard", "--bind", "tcp://127.0.0.1:0", "--shard-id",
                       shard, "--num-shards", "2", "--num-workers", workers)
         assert result.returncode == 1

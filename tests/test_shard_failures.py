@@ -12,6 +12,7 @@ from keras_geeps import checkpoint, protocol
 from keras_geeps.shard import server as shard_module
 from keras_geeps.shard import writer as writer_module
 from keras_geeps.auth import keygen
+from keras_geeps.cluster import ClusterSpec
 from keras_geeps.protocol import MsgType
 from keras_geeps.shard import ShardServer, ShardSettings
 from tests.test_shard import RawPeer
@@ -629,3 +630,31 @@ def test_checkpoint_requests_are_bounded_and_copy_within_the_limit(
     assert [r.type for r in replies] == [MsgType.ACK] * limit
     assert server._tables[0].snapshot[1] is snapshot  # copied once
     assert checkpoint.load(tmp_path, 0, 1, 1)[0][1] == 0
+
+
+def test_a_shard_servers_and_a_cluster_specs_arguments_are_named():
+    """The Python API of a standalone shard and of a cluster spec refuses
+    what the command line's parsing would: each problem named, nothing
+    bound."""
+    for args, kwargs, error, problem in [
+            ((0.0, 1, 1), {}, ValueError, "shard_id must be an int >= 0, "
+                                          "not 0.0"),
+            ((0, 1, "2"), {}, ValueError, "num_workers must be an int >= 1, "
+                                          "not '2'"),
+            ((0, 1, 1.5), {}, ValueError, "num_workers must be an int"),
+            ((0, 0, 1), {}, ValueError, "num_shards must be an int >= 1"),
+            ((2, 2, 1), {}, ValueError, r"shard_id 2 is not in \[0, 2\)"),
+            ((0, 1, 1), {"settings": {"max_tables": 3}}, TypeError,
+             "settings must be a ShardSettings, got dict"),
+            ((0, 1, 1), {"curve": "keys/shard.key_secret"}, TypeError,
+             r"curve is \(secret_key_file, allowed_clients_dir\)")]:
+        with pytest.raises(error, match=problem):
+            ShardServer("tcp://127.0.0.1:0", *args, **kwargs)
+    with pytest.raises(TypeError, match="shards is a list of addresses"):
+        ClusterSpec("tcp://127.0.0.1:5555")
+    for workers, worker, problem in [
+            (0, 0, "num_workers must be an int"),
+            (2, 1.0, "worker_id must be an int"),
+            (2, 2, r"worker_id 2 is not in \[0, 2\)")]:
+        with pytest.raises(ValueError, match=problem):
+            ClusterSpec(["tcp://127.0.0.1:5555"], workers, worker)

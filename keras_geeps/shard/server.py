@@ -13,6 +13,7 @@ import numpy as np
 import zmq
 
 from keras_geeps import checkpoint, protocol, seal, shm
+from keras_geeps.checks import check_count
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 from keras_geeps.shard.sessions import SeqTracker, Session, user_id
 from keras_geeps.shard.settings import RequestError, ShardSettings
@@ -83,8 +84,11 @@ class ShardServer:
             which; a restarted shard must get the same one).
 
     Raises:
-        ValueError: a shard_id outside [0, num_shards), no workers, or
-            `restore` without a `checkpoint_dir`.
+        ValueError: a count that is not an int, a shard_id outside
+            [0, num_shards), no workers, or `restore` without a
+            `checkpoint_dir`.
+        TypeError: `settings` that are not a `ShardSettings`, or `curve`
+            that is not a (key file, folder) pair.
         checkpoint.CheckpointError: a checkpoint to restore that is
             missing, unreadable or of another job, or a `checkpoint_dir`
             that cannot be written.
@@ -100,12 +104,20 @@ class ShardServer:
 
     def __init__(self, bind, shard_id, num_shards, num_workers, settings=None,
                  restore=False, curve=None, data_bind=None):
-        if not 0 <= shard_id < num_shards:
+        check_count("num_shards", num_shards, 1)
+        check_count("shard_id", shard_id, 0)
+        if not shard_id < num_shards:
             raise ValueError(f"shard_id {shard_id} is not in "
                              f"[0, {num_shards})")
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        check_count("num_workers", num_workers, 1)
         settings = settings or ShardSettings()
+        if not isinstance(settings, ShardSettings):
+            raise TypeError(f"settings must be a ShardSettings, got "
+                            f"{type(settings).__name__}")
+        if curve is not None and (isinstance(curve, (str, bytes)) or
+                                  len(curve) != 2):
+            raise TypeError(f"curve is (secret_key_file, "
+                            f"allowed_clients_dir), got {curve!r}")
         if restore and not settings.checkpoint_dir:
             raise ValueError("restore=True needs settings.checkpoint_dir: "
                              "the folder the shard wrote its checkpoints to")
