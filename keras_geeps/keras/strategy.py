@@ -1,5 +1,7 @@
 """`GeePSStrategy`: data-parallel `model.fit` through keras_geeps shards."""
 
+import warnings
+
 import tensorflow as tf
 
 from keras_geeps.client import GeePSClient
@@ -288,7 +290,16 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         """
         if self._memory is not None:
             self._memory.materialize()
-        self.parameter_sync.pull_all(full=True)
+        sync = self.parameter_sync
+        if not sync.tables and sync.pending_count():
+            warnings.warn(
+                f"strategy.sync(): no step has run through the strategy, so "
+                f"the {sync.pending_count()} trainable variables created in "
+                f"its scope have no parameter table and nothing was synced "
+                f"(a step that trains them must run as strategy.run(step_fn,"
+                f" args), or through fit; called directly, it trains this "
+                f"worker's copy alone)", stacklevel=2)
+        sync.pull_all(full=True)
 
     # ------------------------------------------------- memory management
     def layerwise_trainer(self, model, optimizer, loss, batch_size,

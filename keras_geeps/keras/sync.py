@@ -375,6 +375,11 @@ class ParameterSync:
                 tensors, tf.bool, name=f"geeps_push_{indices[-1]}")
 
     # ------------------------------------------------------------ tables
+    def pending_count(self):
+        """How many trainable variables created in the scope have no table
+        yet: theirs are built at the next step run through the strategy."""
+        return len(self._candidates)
+
     def build_pending(self):
         """Builds the tables of variables tracked since the last build, if
         any (outside any function being traced)."""

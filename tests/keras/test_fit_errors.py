@@ -100,6 +100,37 @@ def test_a_custom_loops_errors_keep_their_class(thread_cluster):
         strategy.close()
 
 
+def test_sync_warns_when_no_step_ran_through_the_strategy(thread_cluster):
+    """A custom step called without strategy.run trains the worker's copy
+    alone (no table is ever built): strategy.sync() at the end says so
+    instead of returning as if all was synced. After a step through
+    strategy.run it syncs without a word."""
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+    try:
+        model = small_model(strategy)
+        x, y = regression_data(BATCH)
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x))
+            variables = model.trainable_variables
+            model.optimizer.apply_gradients(
+                zip(tape.gradient(loss, variables), variables))
+
+        tf.function(step)(x, y)  # not through strategy.run
+        with pytest.warns(UserWarning, match="no step has run through the "
+                          "strategy, so the 4 trainable variables"):
+            strategy.sync()
+        tf.function(lambda x, y: strategy.run(step, args=(x, y)))(x, y)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            strategy.sync()
+        assert strategy.client.shard_stats()[0]["updates_applied"] == 2
+    finally:
+        strategy.close()
+
+
 def _dying_pair(thread_cluster):
     """Worker 0's strategy (slack 1: the catch-up ending a one-step fit or
     train_on_batch waits for no one) on a 2-worker cluster whose shard
