@@ -51,13 +51,18 @@ class EpochEnd(collections.namedtuple(
 
 
 def _numeric(value):
-    """`value` as a float when it is a real number (not a bool), else None."""
+    """`value` as a float64 array when it is a real number or an array of
+    them (a per-class metric: `F1Score(average=None)`), not of bools or
+    empty; else None."""
     if isinstance(value, (bool, np.bool_, str, bytes)):
         return None
     try:
-        return float(value)
-    except (TypeError, ValueError):
+        array = np.asarray(value)
+    except Exception:  # (whatever a callback put there)
         return None
+    if array.dtype.kind not in "iuf" or not array.size:
+        return None
+    return array.astype(np.float64)
 
 
 def _flat(logs):
@@ -118,9 +123,9 @@ class EpochLogAverager:
 
     def average(self, logs, epoch=None, clock=None, statistics_clock=None):
         """Replaces the numbers in `logs` (in place) by their mean over the
-        live workers; leaves other entries alone (nested dicts are
-        flattened first, as Keras' callbacks see them). A no-op with one
-        worker.
+        live workers, arrays of them (a per-class metric) element by
+        element; leaves other entries alone (nested dicts are flattened
+        first, as Keras' callbacks see them). A no-op with one worker.
 
         Args:
             logs: the epoch's logs (a dict).
@@ -144,9 +149,10 @@ class EpochLogAverager:
         keys = sorted(k for k, v in values.items() if v is not None)
         if not keys:
             return
-        if len(keys) > MAX_KEYS:
+        count = sum(values[k].size for k in keys)
+        if count > MAX_KEYS:
             raise GeePSError(
-                f"{len(keys)} numbers in the epoch logs: at most {MAX_KEYS} "
+                f"{count} numbers in the epoch logs: at most {MAX_KEYS} "
                 f"can be averaged over the workers (pass GeePSStrategy("
                 f"average_epoch_logs=False))")
         row = np.zeros(_LOGS + MAX_KEYS)
@@ -155,14 +161,23 @@ class EpochLogAverager:
         row[_STATISTICS] = np.nan if statistics_clock is None \
             else statistics_clock
         row[_BARRIER] = self.worker_mean.table().clock
-        row[_LOGS:_LOGS + len(keys)] = [values[k] for k in keys]
+        row[_LOGS:_LOGS + count] = np.concatenate(
+            [values[k].reshape(-1) for k in keys])
+        # (the shapes in the key: a vector of another length is no match)
+        shaped = [f"{k}{values[k].shape if values[k].ndim else ''}"
+                  for k in keys]
         means = self.worker_mean.mean(
-            row, key=float(zlib.crc32("\0".join(keys).encode())),
+            row, key=float(zlib.crc32("\0".join(shaped).encode())),
             mismatch=f"the workers' epoch logs have different keys (this "
-                     f"worker: {keys}): give every worker the same metrics "
-                     f"and validation settings",
+                     f"worker: {shaped}): give every worker the same "
+                     f"metrics and validation settings",
             what="averaging the epoch logs")
-        for i, key in enumerate(keys):
-            flat[key] = float(means[_LOGS + i])
+        start = _LOGS
+        for key in keys:
+            value = values[key]
+            mean = means[start:start + value.size]
+            flat[key] = float(mean[0]) if not value.ndim else \
+                mean.reshape(value.shape).copy()
+            start += value.size
         logs.clear()
         logs.update(flat)

@@ -34,6 +34,39 @@ def test_every_worker_gets_the_mean_of_each_epoch(thread_cluster):
             assert logs["note"] == "text"  # not a number: left alone
 
 
+def test_per_class_metrics_are_averaged_element_by_element(thread_cluster):
+    """A metric that is an array (`F1Score(average=None)`, a confusion
+    matrix) is averaged element by element and keeps its shape; a worker
+    whose array has another shape is named as having other keys."""
+    cluster = thread_cluster(1, 3)
+
+    def epoch(client, w):
+        f1_score = np.array([w, 2 * w, 0.5], np.float32)
+        logs = {"loss": float(w), "f1_score": f1_score,
+                "confusion": np.full((2, 2), 3 * w, np.int64),
+                "empty": np.zeros(0)}
+        EpochLogAverager(client).average(logs)
+        return logs
+
+    results = run_clients(cluster, epoch, timeout=20)
+    for logs in results.values():
+        assert logs["loss"] == pytest.approx(1.0)
+        np.testing.assert_allclose(logs["f1_score"], [1.0, 2.0, 0.5])
+        np.testing.assert_allclose(logs["confusion"], np.full((2, 2), 3.0))
+        assert logs["empty"].size == 0  # no number: left alone
+    cluster = thread_cluster(1, 2)
+
+    def other_shapes(w):
+        with cluster.client(w, timeout=20) as client:
+            EpochLogAverager(client).average(
+                {"loss": 1.0, "f1_score": np.ones(3 if w else 4)})
+
+    _, errors = run_worker_threads(2, other_shapes)
+    assert len(errors) == 2
+    assert all(isinstance(e, GeePSError) and "different keys" in str(e)
+               and "f1_score(" in str(e) for e in errors)
+
+
 def test_one_worker_is_left_alone(thread_cluster):
     cluster = thread_cluster(1, 1)
     with cluster.client(0, timeout=5) as client:
