@@ -8,6 +8,10 @@ Example:
 Traceback (most recent call last):
 ...
 ValueError: num_shards must be an int >= 1, not 0
+>>> check_index("worker_id", 2, 2)
+Traceback (most recent call last):
+...
+ValueError: worker_id 2 is not in [0, 2)
 >>> check_seconds("timeout", "2")
 Traceback (most recent call last):
 ...
@@ -33,6 +37,23 @@ def check_count(name, value, least):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
             or value < least:
         raise ValueError(f"{name} must be an int >= {least}, not {value!r}")
+
+
+def check_index(name, value, count):
+    """Raises ValueError, naming `name`, unless `value` is an integer in
+    [0, count) (`check_count`'s refusal for one that is no int >= 0).
+
+    Args:
+        name: what the value is called where the user gave it.
+        value: the value to check.
+        count: how many there are (shards, workers).
+
+    Raises:
+        ValueError: "<name> <value> is not in [0, <count>)".
+    """
+    check_count(name, value, 0)
+    if value >= count:
+        raise ValueError(f"{name} {value} is not in [0, {count})")
 
 
 def check_seconds(name, value, zero_means=None):

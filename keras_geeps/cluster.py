@@ -9,7 +9,7 @@ needed; shards check that all workers agree.
 import json
 import os
 
-from keras_geeps.checks import check_count
+from keras_geeps.checks import check_count, check_index
 
 ENV_SHARDS = "KERAS_GEEPS_SHARDS"          # comma-separated shard addresses
 ENV_NUM_WORKERS = "KERAS_GEEPS_NUM_WORKERS"
@@ -48,10 +48,7 @@ class ClusterSpec:
             raise ValueError("a cluster needs at least one shard address")
         self.shards = [_as_zmq_address(a) for a in shards]
         check_count("num_workers", num_workers, 1)
-        check_count("worker_id", worker_id, 0)
-        if not worker_id < num_workers:
-            raise ValueError(f"worker_id {worker_id} is not in "
-                             f"[0, {num_workers})")
+        check_index("worker_id", worker_id, num_workers)
         self.num_workers = int(num_workers)
         self.worker_id = int(worker_id)
 

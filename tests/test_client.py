@@ -60,7 +60,8 @@ def test_client_names_bad_settings_and_unknown_tables(thread_cluster):
             ({"slack": 1.5}, ValueError, "slack must be an int >= 0"),
             ({"slack": "1"}, ValueError, "slack must be an int >= 0"),
             ({"timeout": "x"}, ValueError, "timeout must be a number"),
-            ({"initializer": 1}, ValueError, r"worker in \[0, 1\), not 1"),
+            ({"initializer": 1}, ValueError,
+             r"initializer 1 is not in \[0, 1\)"),
             ({"chunk_bytes": 0}, ValueError, "chunk_bytes must be an int"),
             ({"heartbeat_interval": -1}, ValueError,
              r"heartbeat_interval must be a number of seconds >= 0 \(0: "

@@ -28,7 +28,7 @@ import numpy as np
 
 from keras_geeps import protocol, seal, shm
 from keras_geeps.auth import ClientKeys
-from keras_geeps.checks import check_count, check_seconds
+from keras_geeps.checks import check_count, check_index, check_seconds
 from keras_geeps.client.access import (AccessHandle, AccessPlan,
                                        VirtualIteration)
 from keras_geeps.client.connection import CLOSED, Future, IOThread
@@ -150,11 +150,7 @@ class GeePSClient:
         self.slack = int(slack)
         check_seconds("timeout", timeout)  # (every wait is bounded)
         self.timeout = float(timeout)
-        check_count("initializer", initializer, 0)
-        if initializer >= self.cluster.num_workers:
-            raise ValueError(f"initializer must be a worker in [0, "
-                             f"{self.cluster.num_workers}), not "
-                             f"{initializer}")
+        check_index("initializer", initializer, self.cluster.num_workers)
         check_count("chunk_bytes", chunk_bytes, 1)
         check_seconds("heartbeat_interval", heartbeat_interval,
                       zero_means="none sent")

@@ -13,7 +13,7 @@ import numpy as np
 import zmq
 
 from keras_geeps import checkpoint, protocol, seal, shm
-from keras_geeps.checks import check_count
+from keras_geeps.checks import check_count, check_index
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 from keras_geeps.shard.sessions import SeqTracker, Session, user_id
 from keras_geeps.shard.settings import RequestError, ShardSettings
@@ -105,10 +105,7 @@ class ShardServer:
     def __init__(self, bind, shard_id, num_shards, num_workers, settings=None,
                  restore=False, curve=None, data_bind=None):
         check_count("num_shards", num_shards, 1)
-        check_count("shard_id", shard_id, 0)
-        if not shard_id < num_shards:
-            raise ValueError(f"shard_id {shard_id} is not in "
-                             f"[0, {num_shards})")
+        check_index("shard_id", shard_id, num_shards)
         check_count("num_workers", num_workers, 1)
         settings = settings or ShardSettings()
         if not isinstance(settings, ShardSettings):
