@@ -58,6 +58,19 @@ def test_a_pull_timing_out_inside_fit_raises_geeps_timeout_error(
         strategy.close()
 
 
+def _sgd_step(model, optimizer):
+    """A custom loop's step: mse of `model`, its gradients applied by
+    `optimizer`; returns the loss."""
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.MeanSquaredError()(y, model(x, training=True))
+        variables = model.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables),
+                                      variables))
+        return loss
+    return step
+
+
 def test_a_custom_loops_errors_keep_their_class(thread_cluster):
     """In a custom loop, a pull timing out comes out of the user's
     tf.function as TensorFlow's UnknownError, and within
@@ -69,16 +82,9 @@ def test_a_custom_loops_errors_keep_their_class(thread_cluster):
     try:
         model = small_model(strategy)
         x, y = regression_data(BATCH)
-        loss_fn = keras.losses.MeanSquaredError()
 
         def train_step(model, optimizer):
-            def step(x, y):
-                with tf.GradientTape() as tape:
-                    loss = loss_fn(y, model(x, training=True))
-                variables = model.trainable_variables
-                optimizer.apply_gradients(
-                    zip(tape.gradient(loss, variables), variables))
-                return loss
+            step = _sgd_step(model, optimizer)
             return tf.function(lambda x, y: strategy.run(step, args=(x, y)))
 
         in_scope = train_step(model, model.optimizer)
@@ -110,13 +116,7 @@ def test_sync_warns_when_no_step_ran_through_the_strategy(thread_cluster):
     try:
         model = small_model(strategy)
         x, y = regression_data(BATCH)
-
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = keras.losses.MeanSquaredError()(y, model(x))
-            variables = model.trainable_variables
-            model.optimizer.apply_gradients(
-                zip(tape.gradient(loss, variables), variables))
+        step = _sgd_step(model, model.optimizer)
 
         tf.function(step)(x, y)  # not through strategy.run
         with pytest.warns(UserWarning, match="no step has run through the "
