@@ -25,6 +25,7 @@ rows = ops.gather_rows(table, [3, 7])       # row 3 holds 2.0, row 7 holds 1.0
 ```
 """
 
+import collections.abc
 import math
 
 import tensorflow as tf
@@ -38,6 +39,9 @@ __all__ = ["PackLayout", "gather_rows", "library_path", "pack",
            "scatter_add_rows", "swap_in", "swap_out", "unpack"]
 
 _REBUILD = "python -m keras_geeps._build --force"
+
+# The dtypes pack / unpack / gather_rows / scatter_add_rows take.
+_FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64)
 
 
 def _load():
@@ -245,6 +249,16 @@ class PackLayout:
     """
 
     def __init__(self, variables_or_shapes, dtype=None):
+        if hasattr(variables_or_shapes, "dtype") or isinstance(
+                variables_or_shapes, (str, bytes, tf.TensorShape)) or \
+                not isinstance(variables_or_shapes, collections.abc.Iterable) \
+                or (isinstance(variables_or_shapes, tuple) and all(
+                    isinstance(d, int) for d in variables_or_shapes)
+                    and variables_or_shapes):
+            raise TypeError(
+                f"PackLayout takes a list of variables or shapes, got "
+                f"{variables_or_shapes!r}: wrap one in a list ([v] or "
+                f"[(4, 5)])")
         shapes = []
         dtypes = set()
         for item in variables_or_shapes:
@@ -269,6 +283,10 @@ class PackLayout:
             dtype = dtypes.pop()
         else:
             dtype = tf.float32
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"PackLayout dtype must be one of "
+                            f"{[d.name for d in _FLOAT_DTYPES]} (what pack "
+                            f"and unpack take), not {dtype.name}")
         self.shapes = tuple(shapes)
         self.sizes = tuple(math.prod(s) for s in shapes)
         offsets = [0]

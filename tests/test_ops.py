@@ -370,6 +370,23 @@ def test_pack_layout_mismatches_are_invalid_argument(device):
         ops.unpack(tf.zeros([7]), [a, b], layout, mode="sub")
 
 
+def test_pack_layout_refuses_a_single_item_and_dtypes_pack_cannot_take():
+    """One variable or one shape given bare would be read as its rows or
+    its dimensions: refused, as is a dtype pack / unpack do not take."""
+    variable = tf.Variable(tf.zeros([3, 2]))
+    for bare in [(4, 5), variable, tf.zeros([3]), tf.TensorShape([2]), "ab"]:
+        with pytest.raises(TypeError, match="a list of variables or shapes"):
+            ops.PackLayout(bare)
+    assert ops.PackLayout([(4, 5)]).shapes == ((4, 5),)
+    assert ops.PackLayout([variable]).sizes == (6,)
+    assert ops.PackLayout([()]).total_size == 1
+    for dtype in [tf.int32, tf.string, tf.complex64]:
+        with pytest.raises(TypeError, match="dtype must be one of"):
+            ops.PackLayout([(2,)], dtype=dtype)
+    with pytest.raises(TypeError, match="not int64"):
+        ops.PackLayout([tf.Variable(tf.zeros([2], tf.int64))])
+
+
 @pytest.mark.parametrize("dtype", DTYPES + [tf.int32, tf.int64, tf.uint8])
 @pytest.mark.parametrize("shape", [(3, 5), (), (0, 4), (200, 1000)])
 def test_swap_out_and_in_copy_exactly(dtype, shape):

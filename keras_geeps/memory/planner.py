@@ -23,23 +23,24 @@ The device then holds at most
     + activations kept on the device + tapes kept
 (+ the offloaded activations on their way out: at most three consecutive
 ones, as the trainer waits for each before the layer after next), and the
-plan fits when that is within the budget. A "taped" layer (see
-`MemoryPlan.modes`) keeps its forward pass's tape until its backward, and
-the tape keeps tensors of its own (a dropout mask, an activation's
-input): they are estimated at one tensor of the layer's output size each
-(`tape_bytes`). Not covered: a tape keeping more than that (a gelu or a
-normalization keeps several intermediates), and TensorFlow's workspace
-(gradients, kernel scratch, a recomputed layer's tape during its
-backward), which `DeviceLedger` does not count either. Tables are
-staged in first-access order (the first layers' data waits longest between
-its forward and backward use, so its prefetch has the most slack) until
-the rest fits; then, with
-`offload_activations="auto"`, activations are offloaded in the same order.
-Every pool size that could work is tried and the plan moving the fewest
-bytes per step is kept. A budget below the smallest total any plan reaches
-raises `MemoryBudgetError` naming that minimum.
+plan fits when that is within the budget. Layers before the first one with
+parameters keep no input (no gradient reaches them): while one runs, its input
+and output are all the activations on the device. A "taped" layer (see
+`MemoryPlan.modes`) keeps its forward pass's tape until its backward, and the
+tape keeps tensors of its own (a dropout mask, an activation's input): they are
+estimated at one tensor of the layer's output size each (`tape_bytes`). Not
+covered: a tape keeping more than that (a gelu or a normalization keeps several
+intermediates), and TensorFlow's workspace (gradients, kernel scratch, a
+recomputed layer's tape during its backward), which `DeviceLedger` does not
+count either. Tables are staged in first-access order (the first layers' data
+waits longest between its forward and backward use, so its prefetch has the
+most slack) until the rest fits; then, with `offload_activations="auto"`,
+activations are offloaded in the same order. Every pool size that could work is
+tried and the plan moving the fewest bytes per step is kept. A budget below the
+smallest total any plan reaches raises `MemoryBudgetError` naming that minimum.
 """
 
+import math
 import numbers
 
 from keras_geeps.errors import GeePSError
@@ -258,22 +259,20 @@ def _evaluate(sequence, staged, offloaded):
     pool = 2 * peak
     resident = sequence.fixed_bytes + sum(
         u.table_bytes for u in units if u.has_params and not staged[u.index])
-    kept = sum(u.input_bytes for u in units if not offloaded[u.index])
+    first = sequence.first_with_params
+    kept = sum(u.input_bytes for u in units[first:]
+               if not offloaded[u.index])
     moved = [u.input_bytes if offloaded[u.index] else 0 for u in units]
     # On its way out an offloaded activation is still on the device while
     # the next layer runs on the next one and produces the one after.
     flight = max((sum(moved[i:i + 3]) for i in range(len(moved))),
                  default=0)
-    activations = kept + sequence.output_bytes + flight
-    first = _first_with_params(units)
+    activations = max(kept + sequence.output_bytes + flight,
+                      sequence.early_peak())
     tapes = sum(_tape(units, i, staged, offloaded, first)
                 for i in range(len(units)))
     return (resident + pool + activations + tapes, pool, peak, resident,
             activations, tapes)
-
-
-def _first_with_params(units):
-    return next((u.index for u in units if u.has_params), len(units))
 
 
 def _tape(units, i, staged, offloaded, first):
@@ -318,18 +317,32 @@ def _modes(sequence, staged, offloaded):
 # ------------------------------------------------------------ the search
 def _offload_policy(sequence, offload_activations):
     names = [u.name for u in sequence.units]
-    if offload_activations in (None, False):
+    first = sequence.first_with_params
+    if offload_activations is None or offload_activations is False:
         return set(), set()
     if offload_activations == "auto":
-        return set(), set(range(len(names)))
+        # Only inputs kept for the backward pass can wait on the host.
+        return set(), set(range(first, len(names)))
     if isinstance(offload_activations, str):
         offload_activations = [offload_activations]
+    if not isinstance(offload_activations, (list, tuple)) or not all(
+            isinstance(name, str) for name in offload_activations):
+        raise TypeError(f"offload_activations must be None, \"auto\" or a "
+                        f"list of layer names, not {offload_activations!r}")
     forced = set()
     for name in offload_activations:
         if name not in names:
             raise ValueError(f"offload_activations names {name!r}, which is "
                              f"no layer of the model (layers: {names})")
-        forced.add(names.index(name))
+        index = names.index(name)
+        if index < first:
+            raise ValueError(
+                f"offload_activations names {name!r}, which comes before "
+                f"the first layer with parameters "
+                f"({names[first] if first < len(names) else 'none'}): no "
+                "gradient reaches it, so its input is never kept for the "
+                "backward pass and there is nothing to offload")
+        forced.add(index)
     return forced, set(forced)
 
 
@@ -350,14 +363,15 @@ class _Search:
         self.offloaded = [i in forced for i in range(len(units))]
         self.resident = sequence.fixed_bytes + sum(
             u.table_bytes for u in units if u.has_params)
-        self.kept = sum(u.input_bytes for i, u in enumerate(units)
-                        if not self.offloaded[i])
+        self.first = sequence.first_with_params
+        self.kept = sum(u.input_bytes for u in units[self.first:]
+                        if not self.offloaded[u.index])
         self.output = sequence.output_bytes
+        self.early = sequence.early_peak()
         ws = _working_sets(sequence, self.staged, self.offloaded)
         self.peak = max(ws, default=0)
         self.flight = max((self._window(i) for i in range(len(units))),
                           default=0)
-        self.first = _first_with_params(units)
         self.tapes = sum(self._tape(i) for i in range(len(units)))
 
     def _tape(self, i):
@@ -381,8 +395,8 @@ class _Search:
 
     @property
     def total(self):
-        return (self.resident + 2 * self.peak + self.kept + self.output
-                + self.flight + self.tapes)
+        return (self.resident + 2 * self.peak + self.tapes
+                + max(self.kept + self.output + self.flight, self.early))
 
     def stage(self, i, limit):
         """Stages table i if no working set then exceeds `limit`."""
@@ -452,10 +466,11 @@ def check_budget(budget, name="budget"):
         name: what to call it in the error. Defaults to "budget".
 
     Raises:
-        ValueError: it is not a number (or is a bool), or not positive.
+        ValueError: it is not a number (or is a bool), not finite, or not
+            positive.
     """
     if isinstance(budget, bool) or not isinstance(budget, numbers.Real) \
-            or int(budget) <= 0:
+            or not math.isfinite(budget) or int(budget) <= 0:
         raise ValueError(f"{name} must be a positive number of bytes, not "
                          f"{budget!r}")
     return int(budget)

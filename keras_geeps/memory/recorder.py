@@ -22,6 +22,8 @@ One step, as recorded:
 
 import numpy as np
 
+from keras_geeps.checks import check_count
+
 KINDS = ("read", "update", "local")
 
 
@@ -62,6 +64,12 @@ class UnitRecord:
         if state_bytes and not param_bytes:
             raise ValueError(f"layer {name!r}: optimizer state without "
                              "parameters")
+        for field, value in (("index", index), ("param_bytes", param_bytes),
+                             ("input_bytes", input_bytes),
+                             ("output_bytes", output_bytes),
+                             ("state_bytes", state_bytes),
+                             ("flops", flops), ("fixed_bytes", fixed_bytes)):
+            check_count(f"layer {name!r}: {field}", value, 0)
         self.index = int(index)
         self.name = str(name)
         self.param_bytes = int(param_bytes)
@@ -166,7 +174,9 @@ class AccessSequence:
             add("local", "forward", u.index, f"act:{u.name}", u.input_bytes)
         last = len(self.units)
         add("local", "loss", last, "output", self.output_bytes)
-        for u in reversed(self.units):
+        # No gradient flows back past the first layer with parameters: the
+        # backward pass stops there.
+        for u in reversed(self.units[self.first_with_params:]):
             if u.backward == "explicit" and u.needs_output:
                 add("local", "backward", u.index, self.output_item(u.index),
                     self.output_bytes_of(u.index))
@@ -204,6 +214,20 @@ class AccessSequence:
             if access.item == item:
                 return access.position
         return None
+
+    @property
+    def first_with_params(self):
+        """Index of the first unit with parameters (the number of units
+        when none has any): the backward pass ends there, so the layers
+        before it keep no input for it."""
+        return next((u.index for u in self.units if u.has_params),
+                    len(self.units))
+
+    def early_peak(self):
+        """Activation bytes on the device while a layer before
+        `first_with_params` runs: its input and its output, nothing kept."""
+        return max((u.input_bytes + self.output_bytes_of(u.index)
+                    for u in self.units[:self.first_with_params]), default=0)
 
     @property
     def param_bytes(self):
@@ -305,9 +329,9 @@ def record_model(model, batch_size, state_bytes=None, layers=None,
         batch_size: the training batch size.
         state_bytes: optional list (one per layer) of optimizer-state bytes.
             Defaults to None (no state).
+        layers: the chain, if already extracted. Defaults to None.
         fixed_bytes: optional list (one per layer) of non-trainable bytes.
             Defaults to None: each layer's `non_trainable_variables`.
-        layers: the chain, if already extracted. Defaults to None.
 
     Returns:
         An `AccessSequence`.
@@ -320,7 +344,13 @@ def record_model(model, batch_size, state_bytes=None, layers=None,
     ```
     """
     import keras  # noqa: PLC0415
+    check_count("batch_size", batch_size, 1)
     layers = chain_layers(model) if layers is None else layers
+    for name, sizes in (("state_bytes", state_bytes),
+                        ("fixed_bytes", fixed_bytes)):
+        if sizes is not None and len(sizes) != len(layers):
+            raise ValueError(f"{name} has {len(sizes)} entries for "
+                             f"{len(layers)} layers: give one per layer")
     input_shape = tuple(model.inputs[0].shape) if getattr(
         model, "inputs", None) else None
     if input_shape is None:
@@ -341,7 +371,7 @@ def record_model(model, batch_size, state_bytes=None, layers=None,
         units.append(UnitRecord(
             i, layer.name, _variable_bytes(layer.trainable_variables),
             _nbytes(spec.shape, spec.dtype), _nbytes(out.shape, out.dtype),
-            state_bytes=state_bytes[i] if state_bytes else 0,
+            state_bytes=state_bytes[i] if state_bytes is not None else 0,
             backward="explicit" if explicit else "autodiff",
             needs_output=needs_output,
             flops=_dense_flops(layer, spec.shape),

@@ -19,10 +19,12 @@ import collections
 import queue
 import threading
 import time
+import warnings
 
 import numpy as np
 import tensorflow as tf
 
+from keras_geeps.checks import check_count, check_seconds
 from keras_geeps.errors import GeePSError
 
 CATEGORIES = ("resident", "pool", "activations", "materialized")
@@ -101,10 +103,11 @@ class DeviceLedger:
     def change(self, category, delta, what=""):
         """Adds `delta` bytes to `category` (call after the memory moved)."""
         with self.lock:
-            self.bytes[category] += int(delta)
-            if self.bytes[category] < 0:
-                raise GeePSError(f"ledger: {category} went negative at "
-                                 f"{what!r}")
+            value = self.bytes[category] + int(delta)
+            if value < 0:  # refused: the count stays as it was
+                raise GeePSError(f"ledger: {category} would go negative "
+                                 f"({value:,} bytes) at {what!r}")
+            self.bytes[category] = value
             self.peak_by_category[category] = max(
                 self.peak_by_category[category], self.bytes[category])
             self.peak_bytes = max(self.peak_bytes, self.current)
@@ -145,6 +148,8 @@ class AccessPool:
     """
 
     def __init__(self, capacity, timeout=600.0):
+        check_count("capacity", capacity, 0)
+        check_seconds("timeout", timeout)
         self.capacity = int(capacity)
         self.timeout = timeout
         self.reserved = 0
@@ -155,6 +160,9 @@ class AccessPool:
 
     def reserve(self, nbytes, what=""):
         nbytes = int(nbytes)
+        if nbytes < 0:  # would let later reservations pass the capacity
+            raise GeePSError(f"access pool: {what!r} cannot reserve "
+                             f"{nbytes:,} bytes")
         if nbytes > self.capacity:
             raise GeePSError(f"access pool: {what!r} needs {nbytes:,} bytes, "
                              f"more than the pool's {self.capacity:,}")
@@ -180,9 +188,10 @@ class AccessPool:
         if nbytes < 0:  # would reserve past the capacity unchecked
             raise GeePSError(f"access pool: cannot release {nbytes:,} bytes")
         with self._cond:
+            if nbytes > self.reserved:
+                raise GeePSError(f"access pool: cannot release {nbytes:,} "
+                                 f"bytes, {self.reserved:,} are reserved")
             self.reserved -= nbytes
-            if self.reserved < 0:
-                raise GeePSError("access pool: released more than reserved")
             self._cond.notify_all()
 
     def close(self):
@@ -228,6 +237,7 @@ class Worker:
 
     def __init__(self, name, device=None):
         self.device = device
+        self._closed = False
         self._queue = queue.Queue()
         self._pending = collections.deque()
         self._thread = threading.Thread(target=self._run, name=name,
@@ -235,6 +245,9 @@ class Worker:
         self._thread.start()
 
     def submit(self, fn, what=""):
+        if self._closed:
+            raise GeePSError(f"{self._thread.name}: closed, cannot run "
+                             f"{what or fn!r}")
         job = Job(fn, what)
         self._pending.append(job)
         self._queue.put(job)
@@ -274,9 +287,19 @@ class Worker:
         if error is not None:
             raise error
 
-    def close(self):
+    def close(self, timeout=10.0):
+        """Stops the thread after the jobs submitted so far; warns if one
+        is still running after `timeout` seconds (the thread is a daemon:
+        it does not keep the process alive)."""
+        if self._closed:
+            return
+        self._closed = True
         self._queue.put(None)
-        self._thread.join(timeout=10.0)
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            warnings.warn(f"{self._thread.name}: a job was still running "
+                          f"{timeout:.0f} s after close()", RuntimeWarning,
+                          stacklevel=2)
 
 
 # -------------------------------------------------------------- host store

@@ -38,6 +38,8 @@ also measured (the variables' real storage, the tensors held) and compared.
 import contextlib
 import functools
 import time
+import warnings
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -46,6 +48,7 @@ from keras_geeps import ops
 from keras_geeps.checks import check_count
 from keras_geeps.errors import GeePSError
 from keras_geeps.memory import swapping
+from keras_geeps.memory.planner import check_budget
 from keras_geeps.memory.planner import plan as make_plan
 from keras_geeps.memory.recorder import (chain_layers, explicit_backward,
                                          record_model)
@@ -71,8 +74,11 @@ def _global_seed_state():
     return _tf_variable(global_seed_generator().state)
 
 
-# Model methods that read the weights: they materialize first.
-_WEIGHT_READERS = ("get_weights", "save_weights", "save")
+# Model methods that read or write the weights: they materialize first.
+_WEIGHT_READERS = ("get_weights", "save_weights", "save", "set_weights",
+                   "load_weights")
+# A staged layer's own: it materializes first too.
+_LAYER_WEIGHT_READERS = ("get_weights", "set_weights")
 
 
 def _non_trainable_by_layer(layers):
@@ -369,6 +375,27 @@ class LayerwiseTrainer:
             raise TypeError(f"model must be a Keras model, got "
                             f"{type(model).__name__}")
         check_count("batch_size", batch_size, 1)
+        if device_memory_budget is not None:
+            check_budget(device_memory_budget, "device_memory_budget")
+        if optimizer is None:
+            raise TypeError("optimizer must be a Keras optimizer or its name "
+                            "(\"sgd\", \"adam\"), not None")
+        if loss is None:
+            raise TypeError("loss must be a Keras loss, its name (\"mse\") "
+                            "or a callable loss(y_true, y_pred), not None")
+        if sync is not None:
+            from keras_geeps.keras.sync import ParameterSync  # noqa: PLC0415
+            if not isinstance(sync, ParameterSync):
+                raise TypeError(f"sync must be a keras_geeps ParameterSync "
+                                f"(strategy.layerwise_trainer makes one), "
+                                f"not {type(sync).__name__}")
+        holder = getattr(model, "_geeps_layerwise_trainer", None)
+        holder = holder() if holder is not None else None
+        if holder is not None and not holder._closed:
+            raise GeePSError(
+                "another LayerwiseTrainer holds this model's staged layers "
+                "(their variables are empty between its steps): close() it "
+                "before making a new one")
         optimizer = keras.optimizers.get(optimizer)
         loss = _batch_mean(keras.losses.get(loss) if isinstance(loss, str)
                            else loss)
@@ -436,6 +463,8 @@ class LayerwiseTrainer:
         self.prefetcher = Worker("geeps-prefetch", device)
         self.writer = Worker("geeps-writeback", device)
         self._guard_model()
+        object.__setattr__(model, "_geeps_layerwise_trainer",
+                           weakref.ref(self))
 
     # ------------------------------------------------------------ set-up
     def _verify_chain(self):
@@ -651,11 +680,7 @@ class LayerwiseTrainer:
         if self._broken:
             raise GeePSError("an earlier step failed midway; the trainer's "
                              "state is inconsistent: create a new one")
-        batch = int(np.shape(x)[0])
-        if batch > self.sequence.batch_size:
-            raise ValueError(f"a batch of {batch} is larger than the "
-                             f"batch_size={self.sequence.batch_size} the "
-                             "memory plan was made for")
+        self._check_batch(x, y)
         if self._materialized:
             self.release()
         started = time.perf_counter()
@@ -668,6 +693,26 @@ class LayerwiseTrainer:
             raise
         self.step_seconds += time.perf_counter() - started
         return loss
+
+    def _check_batch(self, x, y):
+        """Refuses a batch the memory plan was not made for (its sizes come
+        from the model's input shape at `batch_size`) before anything runs.
+        """
+        shape, targets = tuple(np.shape(x)), tuple(np.shape(y))
+        expected = tuple(self.model.inputs[0].shape[1:])
+        if not shape or shape[1:] != expected:
+            raise ValueError(f"x has shape {shape}; the model takes inputs "
+                             f"of shape (batch,) + {expected}")
+        batch = shape[0]
+        if batch == 0:
+            raise ValueError("x is an empty batch")
+        if batch > self.sequence.batch_size:
+            raise ValueError(f"a batch of {batch} is larger than the "
+                             f"batch_size={self.sequence.batch_size} the "
+                             "memory plan was made for")
+        if not targets or targets[0] != batch:
+            raise ValueError(f"y has shape {targets}: it must hold one "
+                             f"target per sample of x ({batch})")
 
     def _step(self, x, y, gradients=None):
         """One step; with a dict `gradients`, the gradients are put there
@@ -838,11 +883,29 @@ class LayerwiseTrainer:
     # ------------------------------------------------------------ helpers
     def fit(self, dataset, epochs=1):
         """Runs `train_step` over `(x, y)` batches of `dataset` for `epochs`;
-        returns the mean loss of each epoch."""
+        returns the mean loss of each epoch.
+
+        Args:
+            dataset: an iterable of `(x, y)` batches that can be iterated
+                once per epoch (a `tf.data.Dataset`, a list; not a
+                generator, which is spent after one epoch).
+            epochs: how many passes over `dataset`. Defaults to 1.
+
+        Raises:
+            ValueError: `epochs` is not an int >= 1, or an epoch found no
+                batch in `dataset`.
+        """
+        check_count("epochs", epochs, 1)
         history = []
-        for _ in range(epochs):
+        for epoch in range(epochs):
             losses = [float(self.train_step(x, y)) for x, y in dataset]
-            history.append(float(np.mean(losses)) if losses else float("nan"))
+            if not losses:
+                raise ValueError(
+                    f"epoch {epoch + 1} of {epochs} found no batch in the "
+                    "dataset" + (" (a generator or iterator is spent after "
+                                 "one pass: give a tf.data.Dataset or a "
+                                 "list)" if epoch else ""))
+            history.append(float(np.mean(losses)))
         return history
 
     def materialize(self):
@@ -870,7 +933,7 @@ class LayerwiseTrainer:
                                  if self.plan.staged[u.index]]
         for owner in owners:
             names = _WEIGHT_READERS if owner is self.model else \
-                ("get_weights",)
+                _LAYER_WEIGHT_READERS
             for name in names:
                 original = getattr(owner, name, None)
                 if original is None or name in vars(owner):
@@ -899,6 +962,9 @@ class LayerwiseTrainer:
 
     def release(self):
         """Stages the staged layers out again after `materialize()`."""
+        if self._closed:
+            raise GeePSError("the trainer is closed: the model keeps its "
+                             "weights")
         if not self._materialized:
             return
         for unit in self.units:
@@ -927,15 +993,48 @@ class LayerwiseTrainer:
 
     def close(self):
         """Gives the staged layers their variables back (the model then
-        holds all its weights) and stops the background threads."""
+        holds all its weights) and stops the background threads.
+
+        After a step that failed midway the staged layers get the values
+        last written back to the host store (a layer the failed step had
+        not written back yet lacks that step's update), with a warning; if
+        even that fails, reading or writing the model's weights keeps
+        raising `GeePSError` rather than giving empty ones.
+        """
         if self._closed:
             return
         try:
             if not self._broken:
                 self.materialize()
+            else:
+                self._recover_weights()
         finally:
             self._closed = True
-            self._unguard_model()
+            if self.materialized:
+                self._unguard_model()
             self.pool.close()
             self.prefetcher.close()
             self.writer.close()
+
+    def _recover_weights(self):
+        """After a failed step: the staged layers' variables from the host
+        store, as far as it goes."""
+        try:
+            self.writer.drain()
+        except GeePSError:
+            pass  # the failed step raised it already
+        try:
+            for unit in self.units:
+                if self.plan.staged[unit.index]:
+                    unit.fill_all(self.store.get(unit.index))
+        except Exception as exc:  # noqa: BLE001 - reported, weights guarded
+            warnings.warn(f"the layer-wise trainer closed after a failed "
+                          f"step and could not restore the staged layers' "
+                          f"weights ({exc}): the model's weights cannot be "
+                          f"read", RuntimeWarning, stacklevel=3)
+            return
+        self._materialized = True
+        warnings.warn("the layer-wise trainer closed after a failed step: "
+                      "its staged layers hold the values last written back "
+                      "(a layer the failed step had not written back lacks "
+                      "that step's update)", RuntimeWarning, stacklevel=3)

@@ -171,3 +171,53 @@ def test_random_chains_always_fit_and_the_minimum_is_tight():
                 sum(u.table_bytes for u in units)
         with pytest.raises(MemoryBudgetError):
             plan(seq, minimum - 1, offload_activations=policy)
+
+
+def test_layers_before_the_first_with_parameters_keep_nothing():
+    """No gradient reaches a layer before the first one with parameters:
+    the backward pass stops there, its input is never kept (the trainer
+    drops it after the forward), so the plan neither counts nor offloads
+    it; while such a layer runs its input and output are on the device."""
+    units = [UnitRecord(0, "flat", 0, 800, 800),
+             UnitRecord(1, "scale", 0, 800, 300),
+             UnitRecord(2, "d1", 1000, 300, 200, backward="explicit",
+                        needs_output=True),
+             UnitRecord(3, "d2", 1000, 200, 50, backward="explicit")]
+    seq = AccessSequence(units)
+    assert seq.first_with_params == 2
+    assert [a.item for a in seq if a.phase == "backward"] == [
+        "act:d2", "table:d2", "table:d2", "act:d2", "act:d1", "table:d1",
+        "table:d1"]
+    # kept: d1's and d2's inputs and the output; flat runs with 800 + 800
+    assert plan(seq).activation_device_bytes == max(300 + 200 + 50, 1600)
+    small = AccessSequence([
+        UnitRecord(0, "flat", 0, 100, 100),
+        UnitRecord(1, "d1", 1000, 100, 200, backward="explicit",
+                   needs_output=True),
+        UnitRecord(2, "d2", 1000, 200, 50, backward="explicit")])
+    assert plan(small).activation_device_bytes == 100 + 200 + 50
+    auto = plan(seq, budget=10**9, offload_activations="auto")
+    with pytest.raises(MemoryBudgetError):
+        plan(seq, budget=auto.minimum_budget - 1,
+             offload_activations="auto")
+    assert not any(plan(seq, budget=auto.minimum_budget,
+                        offload_activations="auto").offloaded[:2])
+    with pytest.raises(ValueError, match="before the first layer with "
+                                         "parameters"):
+        plan(seq, offload_activations=["scale"])
+
+
+def test_bad_records_and_policies_are_named():
+    with pytest.raises(ValueError, match="'a': param_bytes must be an int"):
+        UnitRecord(0, "a", -100, 10)
+    with pytest.raises(ValueError, match="'a': state_bytes"):
+        UnitRecord(0, "a", 100, 10, state_bytes=-5)
+    with pytest.raises(ValueError, match="'a': input_bytes"):
+        UnitRecord(0, "a", 100, 1.5)
+    seq = dense_chain([1000] * 2)
+    for policy in [True, 1, {"d0": 1}, ["d0", 2]]:
+        with pytest.raises(TypeError, match="offload_activations must be"):
+            plan(seq, offload_activations=policy)
+    for budget in [float("inf"), float("nan"), -1, True, "1000"]:
+        with pytest.raises(ValueError, match="budget must be a positive"):
+            plan(seq, budget=budget)

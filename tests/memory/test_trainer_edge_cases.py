@@ -415,3 +415,141 @@ def test_arguments_take_keras_names_and_bad_ones_are_named():
             ((build(), "nope", "mse", BATCH), ValueError, "nope")]:
         with pytest.raises(error, match=pattern):
             LayerwiseTrainer(*args)
+    for kwargs, error, pattern in [
+            (dict(optimizer=None), TypeError, "optimizer must be"),
+            (dict(loss=None), TypeError, "loss must be"),
+            (dict(device_memory_budget=-1), ValueError,
+             "device_memory_budget must be a positive"),
+            (dict(device_memory_budget=float("inf")), ValueError,
+             "device_memory_budget must be a positive"),
+            (dict(sync="x"), TypeError, "sync must be a keras_geeps "
+                                        "ParameterSync"),
+            (dict(offload_activations=True), TypeError,
+             "offload_activations must be None")]:
+        given = {"model": build(), "optimizer": "sgd", "loss": "mse",
+                 "batch_size": BATCH, **kwargs}
+        with pytest.raises(error, match=pattern):
+            LayerwiseTrainer(**given)
+
+
+def test_a_batch_the_plan_was_not_made_for_is_refused_before_it_runs():
+    """x of another shape would pass the budget unnoticed, y of another
+    length would broadcast against the output: both are refused, and the
+    trainer (not broken by a refused batch) trains on."""
+    model = small_mlp()
+    data = batches((64,), 10)
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                               BATCH)
+    try:
+        x, y = data[0]
+        for bad_x, bad_y, pattern in [
+                (x[:, :32], y, r"x has shape \(4, 32\)"),
+                (x[:, :, None], y, "x has shape"),
+                (x[0], y[0], "x has shape"),
+                (x[:0], y[:0], "empty batch"),
+                (np.concatenate([x, x]), np.concatenate([y, y]),
+                 "larger than the batch_size=4"),
+                (x, y[:1], r"y has shape \(1,\)"),
+                (x, 3, r"y has shape \(\)")]:
+            with pytest.raises(ValueError, match=pattern):
+                trainer.train_step(bad_x, bad_y)
+        assert np.isfinite(float(trainer.train_step(x[:3], y[:3])))
+        with pytest.raises(ValueError, match="epochs must be an int >= 1"):
+            trainer.fit(data, epochs=0)
+        with pytest.raises(ValueError, match="spent after one pass"):
+            trainer.fit(iter(data), epochs=2)
+        with pytest.raises(ValueError, match="epoch 1 of 1 found no batch"):
+            trainer.fit([], epochs=1)
+    finally:
+        trainer.close()
+
+
+def test_closing_after_a_failed_step_leaves_weights_not_empty_ones():
+    """A step that failed midway leaves staged layers empty; closing gives
+    them the values last written back (with a warning), never 0-element
+    weights, and a closed trainer refuses to stage them out again."""
+    data = batches((64,), 10)
+    model = small_mlp()
+    budget = plan(record_model(model, BATCH), 10**12).minimum_budget
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                               BATCH, device_memory_budget=budget)
+    trainer.train_step(*data[0])
+    assert all(trainer.plan.staged) and not trainer.materialized
+    trainer.materialize()
+    after_one = model.get_weights()
+    x, y = data[1]
+    try:
+        with pytest.raises(Exception):  # a label out of range, midway
+            trainer.train_step(x, y + 100)
+        with pytest.warns(RuntimeWarning, match="closed after a failed step"):
+            trainer.close()
+    finally:
+        trainer.close()
+    # The step failed in its loss, before any update: nothing of it stays.
+    assert_same(model.get_weights(), after_one)
+    with pytest.raises(GeePSError, match="closed"):
+        trainer.release()
+
+
+def test_a_second_trainer_on_a_model_held_by_an_open_one_is_refused():
+    model = small_mlp()
+    budget = plan(record_model(model, BATCH), 10**12).minimum_budget
+    first = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                             BATCH, device_memory_budget=budget)
+    try:
+        with pytest.raises(GeePSError, match="close.. it before"):
+            LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                             BATCH, device_memory_budget=budget)
+    finally:
+        first.close()
+    second = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                              BATCH, device_memory_budget=budget)
+    second.close()
+
+
+def test_weights_set_between_steps_are_trained_on():
+    """set_weights (of the model or of a staged layer) between steps writes
+    the weights the next step trains from, not empty variables."""
+    data = batches((64,), 10)
+    runs = []
+    for budget_of in (None, "minimum"):
+        model = small_mlp()
+        budget = None if budget_of is None else plan(
+            record_model(model, BATCH), 10**12).minimum_budget
+        trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1),
+                                   loss_fn(), BATCH,
+                                   device_memory_budget=budget)
+        try:
+            trainer.train_step(*data[0])
+            model.set_weights([w * 0.5 for w in model.get_weights()])
+            layer = model.layers[1]
+            layer.set_weights([w + 1.0 for w in layer.get_weights()])
+            trainer.train_step(*data[1])
+            trainer.materialize()
+            runs.append(model.get_weights())
+        finally:
+            trainer.close()
+    assert_same(runs[1], runs[0])
+
+
+def test_pool_ledger_and_worker_refuse_without_changing_their_counts():
+    pool = AccessPool(100)
+    with pytest.raises(GeePSError, match="cannot reserve -50"):
+        pool.reserve(-50)
+    pool.reserve(60)
+    with pytest.raises(GeePSError, match="60 are reserved"):
+        pool.release(70)
+    assert pool.reserved == 60
+    for args in [(-5,), (10, 0), (10, None)]:
+        with pytest.raises(ValueError):
+            AccessPool(*args)
+    ledger = trainer_module.DeviceLedger()
+    ledger.change("pool", 10)
+    with pytest.raises(GeePSError, match="would go negative"):
+        ledger.change("pool", -15)
+    assert ledger.bytes["pool"] == 10 and ledger.current == 10
+    worker = Worker("geeps-test")
+    assert worker.submit(lambda: 7, "seven").wait(10) == 7
+    worker.close()
+    with pytest.raises(GeePSError, match="closed"):
+        worker.submit(lambda: 8, "eight")
