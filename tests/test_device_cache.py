@@ -128,3 +128,66 @@ def test_a_clock_that_raises_keeps_its_updates_for_a_retry(thread_cluster):
         expected = init + deltas[0] + deltas[2]  # clock 1's was refused
         np.testing.assert_array_equal(w1.read(t1), expected)
         np.testing.assert_array_equal(cache.read(t0).numpy(), expected)
+
+
+def test_read_my_writes_reads_match_the_clients(thread_cluster):
+    """With read_my_writes the cache, as the client, returns this worker's
+    own updates at once: logged, sent at its clock, and once the shards
+    reflect them; never the shard rows alone."""
+    cluster = thread_cluster(1, 2)
+    with cluster.client(0, timeout=20, slack=1, read_my_writes=True) as w0, \
+            cluster.client(1, timeout=20, slack=1) as w1:
+        init = np.arange(8, dtype=np.float32).reshape(4, 2)
+        t0 = w0.create_table("t", 4, 2, init=init)
+        w1.create_table("t", 4, 2)
+        cache = DeviceParameterCache(w0)
+        with w0.virtual_iteration() as vi:
+            h_rows = vi.update(t0, [1, 3])
+        np.testing.assert_array_equal(cache.read(t0).numpy(), init)
+        mine = init.copy()
+        for step in range(3):
+            ones = np.ones((4, 2), np.float32) * (step + 1)
+            cache.update(t0, ones)                   # the whole table
+            cache.update(h_rows, ones[:2], rows=[3, 1])
+            mine += ones
+            mine[[1, 3]] += ones[:2]
+            # logged, not sent yet: read at once
+            np.testing.assert_array_equal(cache.read(t0).numpy(), mine)
+            if step == 1:  # the shards then reflect worker 0's clocks 0, 1
+                w1.clock()
+                w1.clock()
+            cache.clock()
+            np.testing.assert_array_equal(cache.read(t0).numpy(), mine)
+            np.testing.assert_array_equal(w0.read(t0), mine)
+        np.testing.assert_array_equal(cache.read(t0).numpy(), mine)
+
+
+def test_bad_rows_and_deltas_are_refused_by_name(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=20) as client:
+        with pytest.raises(ValueError, match="max_indexes must be an int"):
+            DeviceParameterCache(client, max_indexes=-1)
+        cache = DeviceParameterCache(client)
+        table = client.create_table("t", 4, 3)
+        with client.virtual_iteration() as vi:
+            handle = vi.update(table, [0, 2])
+        for rows, error, pattern in [
+                ([0.9, 2.7], TypeError, "integer ids"),
+                ([[0], [2]], ValueError, "1-D list"),
+                ([True, False], ValueError, "one entry per row"),
+                ([4], ValueError, "row 4 is outside"),
+                ([1], ValueError, "not rows of")]:
+            with pytest.raises(error, match=pattern):
+                cache.read(handle, rows=rows)
+        np.testing.assert_array_equal(
+            cache.read(handle, rows=[True, False, True, False]).numpy(),
+            np.zeros((2, 3)))
+        for delta, pattern in [(np.zeros((3, 4), np.float32), r"\(3, 4\)"),
+                               (np.zeros((5, 3), np.float32), "5 rows"),
+                               (np.zeros(12, np.float32), r"\(12,\)")]:
+            with pytest.raises(ValueError, match=pattern):
+                cache.update(table, delta)
+        cache.update(table, np.ones((4, 3)))  # float64: cast, as the client
+        cache.clock()
+        np.testing.assert_array_equal(cache.read(table).numpy(),
+                                      np.ones((4, 3)))

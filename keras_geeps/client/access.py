@@ -92,6 +92,18 @@ def row_ids(table, rows):
         ValueError: ids that are not 1-D, a mask of another length, or
             an id outside the table.
     """
+    return np.unique(row_list(table, rows))
+
+
+def row_list(table, rows):
+    """`rows` of `table` as int64 row ids in the order given, repeats
+    kept (`row_ids` checks and refusals).
+
+    Args:
+        table: the `Table`.
+        rows: a 1-D sequence of integer row ids, or a boolean mask with
+            one entry per row of the table.
+    """
     array = np.asarray(rows)
     if array.dtype == np.bool_:
         if array.shape != (table.rows,):
@@ -109,7 +121,7 @@ def row_ids(table, rows):
         bad = array.min() if array.min() < 0 else array.max()
         raise ValueError(f"row {bad} is outside table {table.name!r} of "
                          f"{table.rows} rows")
-    return np.unique(array.astype(np.int64))
+    return array.astype(np.int64).reshape(-1)
 
 
 class AccessPlan:

@@ -24,6 +24,10 @@ your own order, with repeats (an embedding batch), pass `rows=`: `read`
 then returns `len(rows)` rows in that order and `update` adds `delta[i]`
 into row `rows[i]`, duplicate rows adding up; every row must be one the
 handle recorded.
+
+With the client's `read_my_writes`, an update goes into the cache as well
+as the log, so reads return this worker's own updates at once, as the
+client's do.
 """
 
 import collections
@@ -32,7 +36,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_geeps import ops
-from keras_geeps.client.access import AccessHandle
+from keras_geeps.checks import check_count
+from keras_geeps.client.access import AccessHandle, row_list
 
 
 class _CachedTable:
@@ -81,6 +86,7 @@ class DeviceParameterCache:
     """
 
     def __init__(self, client, device=None, max_indexes=256):
+        check_count("max_indexes", max_indexes, 1)
         self.client = client
         self.max_indexes = int(max_indexes)
         if device is None:
@@ -112,7 +118,7 @@ class DeviceParameterCache:
 
     def _rows_index(self, handle, rows):
         """The index for `rows` (any order, repeats) of `handle`'s rows."""
-        rows = np.asarray(rows, np.int64).reshape(-1)
+        rows = row_list(handle.table, rows)
         if handle.rows is not None and rows.size:
             pos = np.searchsorted(handle.rows, rows)
             pos = np.minimum(pos, len(handle.rows) - 1)
@@ -122,10 +128,6 @@ class DeviceParameterCache:
                 raise ValueError(
                     f"rows {missing[:8].tolist()} are not rows of {handle!r}:"
                     " record them in the virtual iteration's access")
-        elif rows.size and (rows.min() < 0 or
-                            rows.max() >= handle.table.rows):
-            raise ValueError(f"rows outside table {handle.table.name!r} of "
-                             f"{handle.table.rows} rows")
         with tf.device(self.device):
             return tf.constant(rows, tf.int64)
 
@@ -139,6 +141,10 @@ class DeviceParameterCache:
         host = self.client.read(handle.table)
         entry.ages = tuple(handle.table.last_read_ages)
         ops.unpack(host.reshape(-1), [entry.cache], entry.layout)
+        if entry.table.read_my_writes and entry.dirty:
+            # The client's rows hold the updates it was given; the log's,
+            # not given it before `clock()`, are this worker's writes too.
+            entry.cache.assign_add(entry.log)
         return entry
 
     def read(self, what, rows=None):
@@ -179,15 +185,23 @@ class DeviceParameterCache:
         """
         handle = self._handle(what)
         entry = self._entry(handle.table)
-        shape = np.shape(delta)
+        table = handle.table
+        shape = tuple(np.shape(delta))
         count = int(shape[0]) if len(shape) else 0
+        if len(shape) != 2 or shape[1] != table.width:
+            raise ValueError(f"update of {handle.name!r}: delta has shape "
+                             f"{shape}, not (rows, {table.width})")
+        with tf.device(self.device):
+            delta = tf.cast(delta, entry.log.dtype)
+        targets = [entry.log]
+        if table.read_my_writes:  # this worker reads its writes at once
+            targets.append(entry.cache)
         if rows is not None:
             index = self._rows_index(handle, rows)
             if count != int(index.shape[0]):
                 raise ValueError(
                     f"update of {handle.name!r}: delta has {count} rows for "
                     f"{int(index.shape[0])} entries of rows")
-            ops.scatter_add_rows(entry.log, index, delta, check_indices=False)
         elif isinstance(handle, AccessHandle) and handle.rows is not None:
             if count != len(handle.rows):
                 raise ValueError(
@@ -195,10 +209,18 @@ class DeviceParameterCache:
                     f"access {len(handle.rows)} (its rows, sorted and unique, "
                     f"begin {handle.rows[:8].tolist()}): to update in your "
                     "own order, with repeats, pass rows=")
-            ops.scatter_add_rows(entry.log, self._index(entry, handle), delta,
-                                 check_indices=False)
+            index = self._index(entry, handle)
+        elif count != table.rows:
+            raise ValueError(f"update of {handle.name!r}: delta has {count} "
+                             f"rows, the table {table.rows}")
         else:
-            entry.log.assign_add(tf.reshape(delta, entry.log.shape))
+            index = None
+        for target in targets:
+            if index is None:
+                target.assign_add(delta)
+            else:
+                ops.scatter_add_rows(target, index, delta,
+                                     check_indices=False)
         entry.dirty = True
 
     def clock(self):
