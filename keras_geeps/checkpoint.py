@@ -23,12 +23,24 @@ an uncompressed numpy `.npz` archive with
 
 Writes go to a temporary file in the same folder, are fsynced, then
 renamed over the old file: a crash at any point leaves either the old or
-the new checkpoint, never a torn one. Workers keep every update of the
-clocks at or after a table's checkpoint clock and replay them to a shard
-restored from it (`keras-geeps shard --checkpoint-dir DIR --restore`).
+the new checkpoint, never a torn one. The one replaced is kept as
+
+    <dir>/shard-<id>-of-<num_shards>.older.ckpt.npz
+
+(a hard link made before the rename): each shard writes on its own, so a
+whole job killed between two shards' writes leaves one shard's latest
+snapshot of a table a checkpoint ahead of another's; `align_job`, run
+before a whole job starts again from its checkpoint (`keras-geeps launch`
+does; by hand, `keras-geeps align-checkpoints`), takes every table back to
+the latest clock all its shards hold, from these two files.
+
+Workers keep every update of the clocks at or after a table's checkpoint
+clock and replay them to a shard restored from it (`keras-geeps shard
+--checkpoint-dir DIR --restore`).
 
 A shard writes a checkpoint of no tables when it starts (without
---restore; one found there is renamed `<file>.previous`), so one killed
+--restore; one of tables found there is renamed `<file>.previous`, or
+`.previous.N` where that exists), so one killed
 before its first snapshot was durable restores empty rather than failing.
 A table the restored checkpoint lacks is created again by the worker that
 created it, which keeps the initial rows until a checkpoint holds them,
@@ -55,10 +67,17 @@ class CheckpointError(RuntimeError):
     job."""
 
 
-def checkpoint_path(directory, shard_id, num_shards):
-    """The checkpoint file of one shard."""
+def checkpoint_path(directory, shard_id, num_shards, older=False):
+    """The checkpoint file of one shard (with `older`: the one before)."""
+    kind = ".older" if older else ""
     return os.path.join(directory,
-                        f"shard-{shard_id}-of-{num_shards}.ckpt.npz")
+                        f"shard-{shard_id}-of-{num_shards}{kind}.ckpt.npz")
+
+
+def temporary_prefix(shard_id, num_shards):
+    """How a shard's checkpoint being written is named until renamed (a
+    shard removes its own left by a crash when it starts again)."""
+    return f".ckpt-{shard_id}-of-{num_shards}-"
 
 
 def write(directory, shard_id, num_shards, num_workers, snapshots,
@@ -86,13 +105,18 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             rows = rows.view(np.uint16)
         arrays[f"table_{tid}"] = rows
     path = checkpoint_path(directory, shard_id, num_shards)
-    fd, tmp = tempfile.mkstemp(prefix=".ckpt-", suffix=".tmp",
-                               dir=directory)
+    older = checkpoint_path(directory, shard_id, num_shards, older=True)
+    prefix = temporary_prefix(shard_id, num_shards)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
+    link = tmp + ".older"
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
+        if os.path.exists(path):  # the one replaced stays as the older
+            os.link(path, link)
+            os.replace(link, older)
         os.replace(tmp, path)
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
@@ -100,8 +124,9 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
         finally:
             os.close(dir_fd)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, link):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
         raise
     return path
 
@@ -117,18 +142,35 @@ def _archive(path, f):
     return np.load(f, allow_pickle=False)
 
 
+def read_meta(path):
+    """A checkpoint file's `meta` (the JSON dict), without its rows.
+
+    Raises:
+        CheckpointError: the file is missing, torn or no checkpoint.
+    """
+    try:
+        with open(path, "rb") as f, _archive(path, f) as archive:
+            return json.loads(archive["meta"].tobytes().decode())
+    except CheckpointError:
+        raise
+    except Exception as exc:  # zip/npz/JSON errors of many kinds
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") \
+            from exc
+
+
 def load(directory, shard_id, num_shards, num_workers):
     """Reads a shard's table snapshots (`load_job`'s first half)."""
     return load_job(directory, shard_id, num_shards, num_workers)[0]
 
 
-def load_job(directory, shard_id, num_shards, num_workers):
+def load_job(directory, shard_id, num_shards, num_workers, older=False):
     """Reads a shard's checkpoint.
 
     Args:
         directory: the checkpoint folder.
         shard_id, num_shards, num_workers: the shard's place in the job;
             the checkpoint must be for the same ones.
+        older: read the checkpoint before the latest. Defaults to False.
 
     Returns:
         ({table_id: (spec dict, clock, rows array)}, the set of the
@@ -137,7 +179,7 @@ def load_job(directory, shard_id, num_shards, num_workers):
     Raises:
         CheckpointError: naming the file and what is wrong with it.
     """
-    path = checkpoint_path(directory, shard_id, num_shards)
+    path = checkpoint_path(directory, shard_id, num_shards, older)
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint of shard {shard_id}/"
                               f"{num_shards} at {path}")
@@ -196,3 +238,75 @@ def load_job(directory, shard_id, num_shards, num_workers):
     except Exception as exc:  # zip/npz/JSON errors of many kinds
         raise CheckpointError(f"cannot read checkpoint {path}: {exc}") \
             from exc
+
+
+def align_job(directory, num_shards, num_workers):
+    """Takes every shard's checkpoint to one clock per table.
+
+    Each shard snapshots a table when its clock reaches a multiple of K and
+    writes on its own, so after the whole job was killed one shard's
+    latest snapshot of a table can be a checkpoint ahead of another's. A
+    shard restarted alone is restored from its latest (its workers replay
+    what follows), but a whole job started again from its checkpoint needs
+    the shards of each table at one clock: this rewrites, where needed,
+    each shard's checkpoint with every table at the latest clock all of
+    its shards hold (from the latest or the older file). A table some
+    shard's part of which is in neither at that clock is left out
+    everywhere: its creator creates it again, from its initial values.
+
+    Args:
+        directory: the checkpoint folder of all `num_shards` shards.
+        num_shards, num_workers: the job's.
+
+    Returns:
+        {table id: the clock it is at now, or None where it was left out}.
+
+    Raises:
+        CheckpointError: a shard's latest checkpoint is missing or
+            unreadable, or for another job.
+
+    Example:
+
+    ```python
+    align_job("/tmp/ckpt", num_shards=2, num_workers=4)  # {0: 20, 1: 20}
+    ```
+    """
+    latest, older = [], []
+    for shard in range(num_shards):
+        latest.append(load_job(directory, shard, num_shards, num_workers))
+        try:
+            older.append(load_job(directory, shard, num_shards, num_workers,
+                                  older=True)[0])
+        except CheckpointError:
+            older.append({})  # none yet, or unreadable: no way back
+    table_ids = sorted({tid for tables, _ in latest for tid in tables})
+    chosen = [dict() for _ in range(num_shards)]
+    result = {}
+    for tid in table_ids:
+        held = [tables[tid] for tables, _ in latest if tid in tables]
+        target = min(clock for _, clock, _ in held)
+        spec = held[0][0]
+        picks, covered = {}, 0
+        for shard in range(num_shards):
+            for source in (latest[shard][0], older[shard]):
+                entry = source.get(tid)
+                if entry is not None and entry[1] == target:
+                    picks[shard] = entry
+                    covered += entry[0]["row_end"] - entry[0]["row_start"]
+                    break
+        behind = [s for s in range(num_shards)
+                  if tid in latest[s][0] and s not in picks]
+        if covered != spec["rows"] or behind:
+            result[tid] = None
+            continue
+        result[tid] = target
+        for shard, entry in picks.items():
+            chosen[shard][tid] = entry
+    for shard in range(num_shards):
+        tables, left = latest[shard]
+        same = set(chosen[shard]) == set(tables) and all(
+            chosen[shard][tid][1] == tables[tid][1] for tid in tables)
+        if not same:
+            write(directory, shard, num_shards, num_workers, chosen[shard],
+                  left)
+    return result

@@ -128,6 +128,28 @@ def _cmd_checkpoint(args):
     return 0
 
 
+def _cmd_align_checkpoints(args):
+    from keras_geeps import checkpoint  # noqa: PLC0415
+    from keras_geeps.checks import check_count  # noqa: PLC0415
+    try:
+        check_count("--shards", args.shards, 1)
+        check_count("--workers", args.workers, 1)
+    except ValueError as exc:
+        print(f"keras-geeps align-checkpoints: {exc}", file=sys.stderr)
+        return 2
+    try:
+        aligned = checkpoint.align_job(args.directory, args.shards,
+                                       args.workers)
+    except checkpoint.CheckpointError as exc:
+        print(f"keras-geeps align-checkpoints: {exc}", file=sys.stderr)
+        return 1
+    for tid, clock in sorted(aligned.items()):
+        print(f"table {tid}: " + (f"clock {clock}" if clock is not None else
+                                  "no clock all its shards hold: left out "
+                                  "(created again from its initial values)"))
+    return 0
+
+
 def _cmd_keygen(args):
     from keras_geeps.auth import check_key_name, keygen  # noqa: PLC0415
     try:  # every name first: a bad one writes no pair
@@ -221,6 +243,17 @@ def build_parser():
         cmd.add_argument("--curve-server-key", default=None,
                          help="... and the shards' public .key file")
         cmd.set_defaults(func=func)
+
+    align = sub.add_parser(
+        "align-checkpoints",
+        help="before starting a whole job again with --restore: every "
+             "table at the latest clock all its shards' checkpoints hold")
+    align.add_argument("directory", help="the shards' checkpoint folder")
+    align.add_argument("--shards", type=int, required=True,
+                       help="the job's shard count")
+    align.add_argument("--workers", type=int, required=True,
+                       help="the job's worker count")
+    align.set_defaults(func=_cmd_align_checkpoints)
 
     keygen = sub.add_parser(
         "keygen", help="write CURVE key pairs (NAME.key, NAME.key_secret)")

@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+from keras_geeps import checkpoint
+from keras_geeps.checkpoint import CheckpointError
 from keras_geeps.checks import check_count
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
@@ -369,6 +371,12 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
     budget = {"shard": shard_restarts, "worker": worker_restarts}
     restore = []
     while True:
+        if "--restore" in [*shard_args, *restore]:
+            try:  # every worker starts afresh: each table at one clock
+                _align(shard_args, num_shards, num_workers, output)
+            except CheckpointError as exc:
+                _say(output, f"keras-geeps launch: {exc}")
+                return 1
         failure = _run_job(command, num_workers, num_shards, output,
                            [*shard_args, *restore], poll_interval, budget)
         if failure is None:
@@ -384,16 +392,37 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
         restore = [] if "--restore" in shard_args else ["--restore"]
 
 
+def _align(shard_args, num_shards, num_workers, output):
+    """`checkpoint.align_job` on the shards' checkpoint folder, saying
+    which tables it took back."""
+    directory = _shard_settings(shard_args).checkpoint_dir
+    before = {}
+    for shard in range(num_shards):
+        path = checkpoint.checkpoint_path(directory, shard, num_shards)
+        if os.path.exists(path):
+            tables = checkpoint.read_meta(path).get("tables", {})
+            for tid, entry in tables.items():
+                before.setdefault(int(tid), set()).add(entry["clock"])
+    for tid, clock in checkpoint.align_job(directory, num_shards,
+                                           num_workers).items():
+        if clock is None:
+            _say(output, f"[launch] table {tid}: its shards' checkpoints "
+                         f"hold no common clock; it starts again from its "
+                         f"initial values")
+        elif before.get(tid, {clock}) != {clock}:
+            _say(output, f"[launch] table {tid}: the shards' checkpoints "
+                         f"were at clocks {sorted(before[tid])}; all at "
+                         f"{clock} now")
+
+
 def _run_job(command, num_workers, num_shards, output, shard_args,
              poll_interval, budget):
     """One run of `launch`'s job: its shards and workers, until every
     worker exits 0 (returns None) or something fails past the restarts
     left in `budget` ({"shard": n, "worker": n}, spent in place): returns
     (message, exit code, whether a job restart may follow)."""
-    cluster = LocalCluster(num_shards, num_workers, processes=True,
-                           output=output, shard_args=shard_args)
     workers, pumps = [], []
-    failure = None
+    failure = cluster = None
     addresses = worker_addresses(num_workers)
     in_main = threading.current_thread() is threading.main_thread()
     saved = _stop_on_signals() if in_main else {}
@@ -412,6 +441,8 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
         return process
 
     try:
+        cluster = LocalCluster(num_shards, num_workers, processes=True,
+                               output=output, shard_args=shard_args)
         for worker_id in range(num_workers):
             workers.append(start_worker(worker_id))
         while failure is None:
@@ -438,8 +469,14 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
                     died = (f"shard {shard.shard_id} (pid "
                             f"{shard.process.pid}) died with code "
                             f"{shard.process.returncode}")
-                    # (code 0: it was stopped on purpose, not to restart)
-                    if budget["shard"] <= 0 or shard.process.returncode == 0:
+                    if shard.process.returncode == 0:
+                        # stopped on purpose (`keras-geeps stop`): the job
+                        # ends, and is not started again
+                        failure = (f"shard {shard.shard_id} (pid "
+                                   f"{shard.process.pid}) was stopped", 1,
+                                   False)
+                        break
+                    if budget["shard"] <= 0:
                         failure = (died, 1, True)
                         break
                     budget["shard"] -= 1
@@ -463,18 +500,48 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
-        for process in workers:  # and whatever each started in its group
-            _signal_group(process.pid, signal.SIGTERM)
-        for process in workers:
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
+        _stop_workers(workers)
         for pump in pumps:
             pump.join(2.0)
-        cluster.stop()
+        if cluster is not None:
+            _stop_cluster(cluster)
     return failure
+
+
+def _stop_workers(workers, timeout=10.0):
+    """SIGTERM to every worker's process group, SIGKILL to those still
+    running after `timeout` s, or at once on another Ctrl-C meanwhile."""
+    for process in workers:  # and whatever each started in its group
+        _signal_group(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    try:
+        for process in workers:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        pass  # a second Ctrl-C: no more waiting
+    for process in workers:
+        if process.poll() is not None:
+            continue
+        _signal_group(process.pid, signal.SIGKILL)
+        while True:
+            try:
+                process.wait()
+                break
+            except KeyboardInterrupt:
+                continue  # SIGKILLed: the wait is short
+
+
+def _stop_cluster(cluster):
+    """`cluster.stop()`; a Ctrl-C during its waits kills the shards."""
+    try:
+        cluster.stop()
+    except KeyboardInterrupt:
+        for shard in list(cluster.shards):
+            shard.kill()
+        cluster.shards = []
 
 
 def check_restarts(shard_args=(), shard_restarts=0, worker_restarts=0,

@@ -167,9 +167,10 @@ _META_SCHEMA = {
                    "ckpt": int,  # ckpt: the table's durable checkpoint clock
                    "ref": list, "lend": list},
     # On a CREATE / DECLARE: existing: the shard held the table already;
-    # ready: the table has all its initial rows.
+    # ready: the table has all its initial rows; restored: it is still at
+    # the clock the shard's checkpoint gave it.
     MsgType.ACK: {"global_clock": int, "ckpt": int, "existing": bool,
-                  "ready": bool},
+                  "ready": bool, "restored": bool},
     MsgType.ERROR: {"error": str, "code": str},
     MsgType.STATS: {},
     MsgType.STATS_REPLY: {},  # one frame: JSON text (see stats_reply)

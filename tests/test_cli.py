@@ -433,3 +433,46 @@ def _alive(pid):
         return False
     with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
         return f.read().split(") ")[1][0] != "Z"
+
+
+def test_launch_aligns_checkpoints_before_restoring_a_whole_job(tmp_path):
+    """A job killed between its two shards' checkpoint writes: `launch`
+    with --restore first takes the table back to the clock both hold, and
+    says so; a shard stopped on purpose (exit 0) ends the job without a
+    job restart."""
+    import io  # noqa: PLC0415
+
+    from keras_geeps import checkpoint  # noqa: PLC0415
+
+    def spec(start, end):
+        return {"name": "t", "rows": 6, "width": 2, "dtype": "float32",
+                "row_start": start, "row_end": end}
+
+    directory = str(tmp_path)
+    for shard, (start, end), clocks in ((0, (0, 4), (2, 4)),
+                                        (1, (4, 6), (2,))):
+        for clock in clocks:
+            checkpoint.write(directory, shard, 2, 1, {0: (
+                spec(start, end), clock,
+                np.full((end - start, 2), clock, np.float32))})
+    output = io.StringIO()
+    assert launch([sys.executable, "-c", "pass"], num_workers=1,
+                  num_shards=2, output=output,
+                  shard_args=["--checkpoint-dir", directory,
+                              "--checkpoint-every", "2", "--restore"]) == 0
+    assert "table 0: the shards' checkpoints were at clocks [2, 4]; all " \
+           "at 2 now" in output.getvalue()
+    assert checkpoint.load(directory, 0, 2, 1)[0][1] == 2
+    # A worker that stops shard 0 on purpose: no restart of the job.
+    stopper = ("import os; from keras_geeps.cli import main; "
+               "main(['stop', '--shards', os.environ["
+               "'KERAS_GEEPS_SHARDS'].split(',')[0]]); ")
+    output = io.StringIO()
+    code = launch([sys.executable, "-c", stopper + "import time; "
+                   "time.sleep(30)"], num_workers=1, num_shards=2,
+                  output=output, job_restarts=1,
+                  shard_args=["--checkpoint-dir", directory,
+                              "--checkpoint-every", "2"])
+    text = output.getvalue()
+    assert code == 1 and "shard 0" in text and "was stopped" in text, text
+    assert "starting the whole job again" not in text

@@ -640,12 +640,35 @@ class GeePSClient:
                         table.ages[part] = max(table.ages[part], 0)
             creator = not theirs
         if not creator:  # a worker (re)joining a running job starts there
+            self._check_restored_clocks(table, replies, request_parts)
             table.clock = max((r.meta.get("global_clock", 0)
                                for r in replies), default=0)
             # Creation is collective: return once the initial rows are here
             # (a shard would hold an update until the creator's rows came).
             self.wait_fresh(table, clock=table.clock + self.slack)
         return table
+
+    def _check_restored_clocks(self, table, replies, request_parts):
+        """Refuses a table its shards restored at different clocks (a whole
+        job killed between two shards' checkpoint writes, started again
+        without `keras-geeps align-checkpoints`): no worker could go on
+        from there, every wait would time out."""
+        clocks = {}
+        for part, reply in zip(request_parts, replies):
+            if not reply.meta.get("restored"):
+                return  # a job under way: its shards may be a clock apart
+            shard = table.parts[part][0]
+            clocks[shard] = reply.meta.get("global_clock", 0)
+        if len(set(clocks.values())) > 1:
+            raise GeePSError(
+                f"table {table.name!r}: its shards were restored from "
+                f"checkpoints at different clocks ("
+                + ", ".join(f"shard {s}: {c}" for s, c in sorted(
+                    clocks.items()))
+                + "): run `keras-geeps align-checkpoints DIR --shards "
+                f"{self.cluster.num_shards} --workers {self.num_workers}` on "
+                "the shards' checkpoint folder before starting them with "
+                "--restore (keras-geeps launch does)")
 
     def _create_messages(self, table, part, initial):
         """The CREATE chunks that give a shard part its initial rows."""

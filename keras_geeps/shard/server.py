@@ -237,6 +237,12 @@ class ShardServer:
         finally:
             if self._writer is not None:
                 self._writer.join()
+                try:  # snapshots taken while that write went on
+                    self._checkpoint_turn(self._writer)
+                    self._writer.join()
+                    self._writer.finished()
+                except Exception:  # stopping all the same
+                    self._internal_error("writing its last checkpoint")
             self._close()
             log.info("shard %d stopped", self.shard_id)
 
@@ -884,6 +890,9 @@ class ShardServer:
                 "ready": table.ready}
         if existing:
             meta["existing"] = True
+        if table.restored_clock is not None and \
+                table.global_clock == table.restored_clock:
+            meta["restored"] = True  # at its checkpoint's clock still
         return Message(MsgType.ACK, table=table.id, seq=seq, meta=meta)
 
     def _read(self, identity, message):
@@ -1376,6 +1385,8 @@ class ShardServer:
                     f"(or this shard's restore)"))
 
     def _restore(self):
+        if self._writer is not None:
+            self._writer.remove_leftovers()
         tables, left = checkpoint.load_job(
             self.settings.checkpoint_dir, self.shard_id, self.num_shards,
             self.num_workers)
@@ -1398,6 +1409,7 @@ class ShardServer:
             table.ckpt_clock = clock
             table.snapshot = (clock, rows)
             table.restored = rows
+            table.restored_clock = clock
             self._tables[table_id] = table
         self._started = time.monotonic()
         self._left = set(left)

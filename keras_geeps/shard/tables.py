@@ -38,6 +38,7 @@ class Table:
         self.snapshot = None      # (clock, rows) taken for the next write
         self.lent = None          # (clock, worker, rows, SharedBuffer)
         self.ckpt_clock = -1      # clock of the durable (written) snapshot
+        self.restored_clock = None  # the clock a checkpoint gave it
         self.restored = None      # rows loaded from a checkpoint (never
         # pooled: a snapshot, and a running writer, may still read them)
 

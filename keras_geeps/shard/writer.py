@@ -143,22 +143,64 @@ class CheckpointWriter:
         before it wrote any table restores empty (its workers then create
         the tables again and replay), while --restore from a folder that
         never held this shard's checkpoint still fails, naming it. A
-        checkpoint found there is kept as `<file>.previous`.
+        checkpoint holding tables found there (a restart that forgot
+        --restore) is kept as `<file>.previous`, or `.previous.1`, `.2` ...
+        where that exists: a second forgetful restart never replaces it.
 
         Raises:
             checkpoint.CheckpointError: the folder cannot be written.
         """
         path = checkpoint.checkpoint_path(self.directory, self.shard_id,
                                           self.num_shards)
+        older = checkpoint.checkpoint_path(self.directory, self.shard_id,
+                                           self.num_shards, older=True)
         try:
-            if os.path.exists(path):  # a restart that forgot --restore
-                os.replace(path, path + ".previous")
+            self.remove_leftovers()
+            if os.path.exists(path) and _holds_tables(path):
+                kept = _free_name(path + ".previous")
+                os.replace(path, kept)
                 log.warning("shard %d: started without --restore; moved the "
-                            "checkpoint there to %s.previous", self.shard_id,
-                            path)
+                            "checkpoint there to %s", self.shard_id, kept)
+            if os.path.exists(older):  # the history of another run
+                os.unlink(older)
+            if os.path.exists(path):   # one of no tables: nothing lost
+                os.unlink(path)
             checkpoint.write(self.directory, self.shard_id, self.num_shards,
                              self.num_workers, {})
         except OSError as exc:
             raise checkpoint.CheckpointError(
                 f"cannot write checkpoints to {self.directory}: "
                 f"{exc}") from exc
+
+    def remove_leftovers(self):
+        """Removes this shard's checkpoints that a crash left half written
+        (temporary files no rename took)."""
+        prefix = checkpoint.temporary_prefix(self.shard_id, self.num_shards)
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.startswith(prefix):
+                try:
+                    os.unlink(os.path.join(self.directory, name))
+                except FileNotFoundError:
+                    pass
+
+
+def _holds_tables(path):
+    """Whether the checkpoint at `path` holds a table (an unreadable one
+    counts as holding some: it is kept, not overwritten)."""
+    try:
+        return bool(checkpoint.read_meta(path).get("tables", True))
+    except checkpoint.CheckpointError:
+        return True
+
+
+def _free_name(path):
+    """`path`, or `path.1`, `path.2` ... the first that does not exist."""
+    candidate, n = path, 0
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}.{n}"
+    return candidate

@@ -1,0 +1,194 @@
+"""Checkpoints of a whole job at one clock per table (`align_job`), the
+checkpoint each write replaces kept as the older one, and a worker that
+refuses shards restored at different clocks."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from keras_geeps import checkpoint
+from keras_geeps.cli import main as cli_main
+from keras_geeps.client.client import GeePSClient
+from keras_geeps.cluster import ClusterSpec
+from keras_geeps.errors import GeePSError
+from keras_geeps.shard import ShardServer, ShardSettings
+from keras_geeps.shard.writer import CheckpointWriter
+
+
+def spec(name, rows, start, end, width=2):
+    return {"name": name, "rows": rows, "width": width, "dtype": "float32",
+            "row_start": start, "row_end": end}
+
+
+def rows_of(value, count, width=2):
+    return np.full((count, width), value, np.float32)
+
+
+def test_each_write_keeps_the_one_it_replaced(tmp_path):
+    directory = str(tmp_path)
+    for clock in (2, 4, 6):
+        checkpoint.write(directory, 0, 1, 1, {
+            0: (spec("t", 3, 0, 3), clock, rows_of(clock, 3))})
+    assert checkpoint.load(directory, 0, 1, 1)[0][1] == 6
+    older = checkpoint.load_job(directory, 0, 1, 1, older=True)[0]
+    assert older[0][1] == 4
+    np.testing.assert_array_equal(older[0][2], rows_of(4, 3))
+    assert sorted(os.listdir(directory)) == [
+        "shard-0-of-1.ckpt.npz", "shard-0-of-1.older.ckpt.npz"]
+
+
+def test_align_takes_each_table_to_the_clock_all_its_shards_hold(tmp_path):
+    directory = str(tmp_path)
+    # Table 0 (rows 0-3 on shard 0, 4-5 on shard 1): shard 0 wrote clock
+    # 4, shard 1 was killed before it did. Table 1 lives on shard 1 only.
+    # Table 2: shard 0 wrote it, shard 1 never held a snapshot of its part.
+    checkpoint.write(directory, 0, 2, 3, {
+        0: (spec("a", 6, 0, 4), 2, rows_of(2, 4))})
+    checkpoint.write(directory, 0, 2, 3, {
+        0: (spec("a", 6, 0, 4), 4, rows_of(4, 4)),
+        2: (spec("c", 6, 0, 3), 4, rows_of(40, 3))}, left=[2])
+    checkpoint.write(directory, 1, 2, 3, {
+        0: (spec("a", 6, 4, 6), 2, rows_of(2, 2)),
+        1: (spec("b", 5, 0, 5), 3, rows_of(3, 5))})
+    assert checkpoint.align_job(directory, 2, 3) == {0: 2, 1: 3, 2: None}
+    shard0, left0 = checkpoint.load_job(directory, 0, 2, 3)
+    assert set(shard0) == {0} and shard0[0][1] == 2 and left0 == {2}
+    np.testing.assert_array_equal(shard0[0][2], rows_of(2, 4))
+    shard1 = checkpoint.load(directory, 1, 2, 3)
+    assert {t: c for t, (_, c, _) in shard1.items()} == {0: 2, 1: 3}
+    # Aligned already: nothing is rewritten the second time.
+    stamp = os.stat(checkpoint.checkpoint_path(directory, 0, 2)).st_mtime_ns
+    assert checkpoint.align_job(directory, 2, 3) == {0: 2, 1: 3}
+    assert os.stat(checkpoint.checkpoint_path(
+        directory, 0, 2)).st_mtime_ns == stamp
+    os.unlink(checkpoint.checkpoint_path(directory, 1, 2))
+    with pytest.raises(checkpoint.CheckpointError, match="shard 1/2"):
+        checkpoint.align_job(directory, 2, 3)
+
+
+def test_align_checkpoints_command(tmp_path, capsys):
+    directory = str(tmp_path)
+    checkpoint.write(directory, 0, 1, 1, {0: (spec("a", 2, 0, 2), 1,
+                                              rows_of(1, 2))})
+    assert cli_main(["align-checkpoints", directory, "--shards", "1",
+                     "--workers", "1"]) == 0
+    assert "table 0: clock 1" in capsys.readouterr().out
+    assert cli_main(["align-checkpoints", directory, "--shards", "0",
+                     "--workers", "1"]) == 2
+    assert cli_main(["align-checkpoints", str(tmp_path / "none"),
+                     "--shards", "1", "--workers", "1"]) == 1
+    assert "no checkpoint of shard 0/1" in capsys.readouterr().err
+
+
+def test_forgetful_restarts_never_replace_a_kept_checkpoint(tmp_path):
+    """A shard started without --restore keeps a checkpoint of tables it
+    finds as <file>.previous; a second such start (its checkpoint of no
+    tables found) keeps that one, and a third, after tables were written
+    again, keeps both. Half-written files a crash left are removed."""
+    directory = str(tmp_path)
+    path = checkpoint.checkpoint_path(directory, 0, 1)
+    checkpoint.write(directory, 0, 1, 1, {0: (spec("a", 2, 0, 2), 7,
+                                              rows_of(7, 2))})
+    stale = tmp_path / (checkpoint.temporary_prefix(0, 1) + "x.tmp")
+    stale.write_bytes(b"torn")
+    other = tmp_path / (checkpoint.temporary_prefix(1, 2) + "y.tmp")
+    other.write_bytes(b"another shard's write under way")
+    writer = CheckpointWriter(directory, 0, 1, 1)
+    writer.write_empty()
+    writer.write_empty()
+    assert not stale.exists() and other.exists()
+    assert checkpoint.load(directory, 0, 1, 1) == {}
+    os.replace(path + ".previous", path)
+    assert checkpoint.load(directory, 0, 1, 1)[0][1] == 7
+    writer.write_empty()
+    checkpoint.write(directory, 0, 1, 1, {0: (spec("a", 2, 0, 2), 9,
+                                              rows_of(9, 2))})
+    writer.write_empty()
+    for name, clock in ((".previous", 7), (".previous.1", 9)):
+        os.replace(path + name, path)
+        assert checkpoint.load(directory, 0, 1, 1)[0][1] == clock
+    assert not os.path.exists(
+        checkpoint.checkpoint_path(directory, 0, 1, older=True))
+
+
+def _shards(directory, restore):
+    settings = ShardSettings(checkpoint_dir=directory, checkpoint_every=2,
+                             shared_memory=False)
+    return [ShardServer("tcp://127.0.0.1:0", shard, 2, 1, settings,
+                        restore=restore).start() for shard in range(2)]
+
+
+def _client(shards):
+    return GeePSClient(ClusterSpec([s.address for s in shards],
+                                   worker_id=0, num_workers=1), timeout=10,
+                       shared_memory=False)
+
+
+def _wait_for_checkpoints(directory, clock):
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if all(checkpoint.load(directory, shard, 2, 1)[0][1] == clock
+                   for shard in range(2)):
+                return
+        except (checkpoint.CheckpointError, KeyError):
+            pass  # being written, or not yet holding the table
+        time.sleep(0.02)
+    raise AssertionError(f"no checkpoint at clock {clock} within 20 s")
+
+
+ROWS, WIDTH = 1024, 128  # 512 KiB: split over both shards
+
+
+def test_a_worker_refuses_shards_restored_at_different_clocks(tmp_path):
+    """A whole job killed after shard 0 wrote clock 4 and before shard 1
+    did: restored so, a worker refuses the table naming both clocks and
+    the command; aligned, the job goes on from clock 2 everywhere."""
+    directory = str(tmp_path)
+    shards = _shards(directory, restore=False)
+    try:
+        with _client(shards) as client:
+            table = client.create_table("t", ROWS, WIDTH)
+            assert len({shard for shard, _, _ in table.parts}) == 2
+            for clock in range(4):
+                client.update(table, np.ones((ROWS, WIDTH), np.float32))
+                client.clock()
+                if clock == 1:  # clock 2 written everywhere, then 4
+                    _wait_for_checkpoints(directory, 2)
+            client.read(table)
+    finally:
+        for shard in shards:
+            shard.stop()
+    for shard in range(2):
+        assert checkpoint.load(directory, shard, 2, 1)[0][1] == 4
+    # Shard 1 "never wrote" clock 4: its latest is its older (clock 2).
+    os.replace(checkpoint.checkpoint_path(directory, 1, 2, older=True),
+               checkpoint.checkpoint_path(directory, 1, 2))
+    shards = _shards(directory, restore=True)
+    try:
+        with _client(shards) as client:
+            with pytest.raises(GeePSError, match=r"different clocks \("
+                               r"shard 0: 4, shard 1: 2\): run `keras-geeps "
+                               r"align-checkpoints DIR --shards 2 "
+                               r"--workers 1`"):
+                client.create_table("t", ROWS, WIDTH)
+    finally:
+        for shard in shards:
+            shard.stop()
+    assert checkpoint.align_job(directory, 2, 1) == {0: 2}
+    shards = _shards(directory, restore=True)
+    try:
+        with _client(shards) as client:
+            table = client.create_table("t", ROWS, WIDTH)
+            assert table.clock == 2
+            np.testing.assert_array_equal(client.read(table),
+                                          np.full((ROWS, WIDTH), 2))
+            client.update(table, np.ones((ROWS, WIDTH), np.float32))
+            client.clock()
+            np.testing.assert_array_equal(client.read(table),
+                                          np.full((ROWS, WIDTH), 3))
+    finally:
+        for shard in shards:
+            shard.stop()
