@@ -73,7 +73,7 @@ def line_up(strategy, model, steps_per_epoch):
             or client in _LINED_UP:
         return None
     try:
-        skips, epoch, end = _plan(strategy, model, steps_per_epoch)
+        skips, pending, epoch, end = _plan(strategy, model, steps_per_epoch)
     except _CannotLineUp as why:
         warnings.warn(
             f"worker {client.worker_id} rejoined a job under way at clock "
@@ -87,9 +87,11 @@ def line_up(strategy, model, steps_per_epoch):
         _LINED_UP.add(client)
         return None
     sync = strategy.parameter_sync
-    tables = [layer.table for layer in sync.tables]
+    tables = sync.stepped_tables()  # (not a frozen layer's)
     now = sync.clock
     if now == end - steps_per_epoch:  # they are starting an epoch too
+        for mean in pending:  # a barrier of the epoch end they are at
+            mean.skip()
         start = epoch + 1
     else:
         log.warning("worker %d: at clock %d, joins the other workers' "
@@ -108,7 +110,9 @@ def line_up(strategy, model, steps_per_epoch):
 def _plan(strategy, model, steps_per_epoch):
     """Makes this worker's tables, in the others' order, and returns (the
     `WorkerMean`s whose barrier at the others' next epoch end it takes
-    part in with nothing, the others' last epoch, the clock their current
+    part in with nothing, those whose barrier at their last epoch end is
+    still to come (it takes part in it with nothing when it starts at
+    their next epoch), the others' last epoch, the clock their current
     epoch ends at).
 
     Raises:
@@ -125,7 +129,7 @@ def _plan(strategy, model, steps_per_epoch):
     sync.build_pending()
     if not sync.tables:
         raise _CannotLineUp("the model has no parameter tables yet")
-    _even_out(client, [layer.table for layer in sync.tables])
+    _even_out(client, sync.stepped_tables())
     # The barrier tables in the order the others created them (their ids):
     # that order depends on where their fit averaged first.
     means = {strategy.epoch_logs.worker_mean.name:
@@ -157,11 +161,18 @@ def _plan(strategy, model, steps_per_epoch):
     # The barriers of the epoch end it joins: the logs', and the
     # statistics' unless the others took that one already (before their
     # validation, when the job rejoined).
-    skips = [strategy.epoch_logs.worker_mean]
-    if statistics is not None and statistics.name in names.values() and \
-            statistics.table().clock == last.statistics_clock:
-        skips.append(statistics)
-    return skips, last.epoch, end
+    skips, pending = [strategy.epoch_logs.worker_mean], []
+    if statistics is not None and statistics.name in names.values():
+        clock = statistics.table().clock
+        if clock == last.statistics_clock:
+            skips.append(statistics)
+        elif last.statistics_clock is not None and \
+                clock == last.statistics_clock - 1:
+            # The others passed the logs' barrier of their last epoch end
+            # and not yet the statistics' (it comes after, without
+            # validation): it waits for this worker now, with nothing.
+            pending.append(statistics)
+    return skips, pending, last.epoch, end
 
 
 def _even_out(client, tables):
@@ -169,7 +180,8 @@ def _even_out(client, tables):
     furthest one's clock: a worker that rejoins while the others are in
     the middle of a step (they clock one table after another) finds its
     tables at two clocks, and each lagging one is a clock the others wait
-    for it on."""
+    for it on. (`tables`: those the steps clock; a frozen layer's stays
+    where it is, as on the other workers.)"""
     furthest = max(table.clock for table in tables)
     for table in tables:
         while table.clock < furthest:

@@ -223,9 +223,22 @@ class ParameterSync:
     @property
     def clock(self):
         """This worker's clock of its parameter tables (they clock
-        together: one per step), or None before they are built."""
-        return min(layer.table.clock for layer in self.tables) \
-            if self.tables else None
+        together: one per step), or None before they are built. A table
+        the steps no longer clock (a layer frozen after it was created in
+        the scope: its table stays at the clock it had) does not hold it
+        back (`stepped_tables`)."""
+        stepped = self.stepped_tables()
+        return min(table.clock for table in stepped) if stepped else None
+
+    def stepped_tables(self):
+        """The parameter tables the training steps clock: all but those
+        more than one clock behind the furthest (within one: in the middle
+        of a step, which clocks one table after another)."""
+        tables = [layer.table for layer in self.tables]
+        if not tables:
+            return []
+        furthest = max(table.clock for table in tables)
+        return [table for table in tables if table.clock >= furthest - 1]
 
     # --------------------------------------------------- strategy hooks
     def track_variable(self, variable, trainable, keras_path=None):
@@ -769,8 +782,7 @@ class ParameterSync:
         """This worker's parameter-server figures (data age and clock: of
         the parameter tables, not of other tables the client holds, such
         as the epoch logs')."""
-        figures = self.client.stats(
-            [layer.table for layer in self.tables] or None)
+        figures = self.client.stats(self.stepped_tables() or None)
         figures.update(pull_wait_seconds=self.pull_wait_seconds,
                        pull_seconds=self.pull_seconds,
                        push_seconds=self.push_seconds, steps=self.steps,

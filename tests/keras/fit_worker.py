@@ -139,6 +139,9 @@ def main():
                         "worker 1's labels shuffled (its val_loss rises)")
     parser.add_argument("--no-capture", action="store_true",
                         help="GeePSStrategy(capture_updates=False)")
+    parser.add_argument("--freeze", action="store_true",
+                        help="freeze the hidden layer after its creation "
+                             "(its table then never clocks)")
     parser.add_argument("--batchnorm", action="store_true",
                         help="a BatchNormalization layer after the hidden")
     parser.add_argument("--own-statistics", action="store_true",
@@ -173,6 +176,8 @@ def main():
         ds = ds.take(args.max_steps * strategy.num_workers)
     with strategy.scope():
         model = build_model(batchnorm=args.batchnorm)
+        if args.freeze:  # transfer learning: a base frozen once built
+            model.get_layer("hidden").trainable = False
         compile_model(model, args.optimizer, args.lr,
                       args.steps_per_execution, ema=args.ema)
     callbacks = strategy.callbacks()

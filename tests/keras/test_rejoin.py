@@ -27,17 +27,19 @@ EPOCHS = 16
 FIT_ARGS = ["--pace", "0.05", "--batchnorm", "--validate", "--lr", "0.05"]
 
 
-@pytest.mark.parametrize("dies", [1, 0])
+@pytest.mark.parametrize("dies, freeze", [(1, True), (0, False)])
 def test_a_restarted_worker_lines_up_with_the_others_epochs(
-        tmp_path, thread_cluster, dies):
+        tmp_path, thread_cluster, dies, freeze):
     """Worker `dies` is killed in epoch 1 and restarted; it misses two or
     more epoch ends (worker 0 too: the table it created, and the barriers
-    once zeroed by it, go on without it)."""
+    once zeroed by it, go on without it). With `freeze` the hidden layer
+    is frozen after its creation in the scope: its table stays at clock 0
+    and must hold neither the epoch ends' clocks nor the rejoin back."""
     lives = 1 - dies
     cluster = thread_cluster(1, 2, settings=ShardSettings(
         worker_timeout=2, on_worker_failure="continue"))
     common = WORKER + ["--out", str(tmp_path), "--epochs", str(EPOCHS),
-                       *FIT_ARGS]
+                       *FIT_ARGS, *(["--freeze"] if freeze else [])]
     logs = {}
 
     def start(w, extra=(), name=None):
