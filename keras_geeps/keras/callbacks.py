@@ -5,6 +5,13 @@ import keras
 from keras_geeps.errors import GeePSError
 
 
+def _check_strategy(strategy):
+    from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
+    if not isinstance(strategy, GeePSStrategy):
+        raise TypeError(f"strategy must be a keras_geeps GeePSStrategy, not "
+                        f"{type(strategy).__name__}")
+
+
 class ParameterServerCallback(keras.callbacks.Callback):
     """Reports parameter-server figures per epoch and syncs at the end.
 
@@ -32,6 +39,7 @@ class ParameterServerCallback(keras.callbacks.Callback):
 
     def __init__(self, strategy):
         super().__init__()
+        _check_strategy(strategy)
         self.strategy = strategy
         self._start = None
         self._synced = False  # this fit's final sync done
@@ -48,6 +56,12 @@ class ParameterServerCallback(keras.callbacks.Callback):
         holds its variables, and `fit` would train it on this worker
         alone, without a word (Keras fits it under the strategy it was
         built in)."""
+        if not self.model.trainable_variables:
+            raise GeePSError(
+                f"model {self.model.name!r} has no trainable weights (every "
+                f"layer frozen?): fit under the GeePS strategy has nothing "
+                f"to train through the shards. Unfreeze a layer, or fit it "
+                f"outside the strategy")
         outside = self.strategy.parameter_sync.not_held(
             self.model.trainable_variables)
         if self.model.distribute_strategy is self.strategy and not outside:
@@ -93,6 +107,12 @@ class ParameterServerCallback(keras.callbacks.Callback):
         it stands in the list.
         """
         if not self._synced:
+            sync = self.strategy.parameter_sync
+            if not sync.tables and sync.pending_count():
+                # A fit that ran no step (epochs=0, initial_epoch past
+                # epochs, no data): its tables now, so that every worker
+                # ends with the same (worker 0's initial) weights too.
+                sync.build_pending()
             self.strategy.sync()
             self._synced = True
 
@@ -116,6 +136,10 @@ class ChiefOnly(keras.callbacks.Callback):
 
     def __init__(self, callback, strategy):
         super().__init__()
+        if not isinstance(callback, keras.callbacks.Callback):
+            raise TypeError(f"callback must be a keras.callbacks.Callback, "
+                            f"not {type(callback).__name__}")
+        _check_strategy(strategy)
         self.callback = callback
         self.strategy = strategy
 

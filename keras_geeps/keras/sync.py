@@ -414,10 +414,19 @@ class ParameterSync:
                 name an existing table has (a layer that created variables
                 after its table was built, or two models of the same name).
         """
-        groups = {}
+        groups, paths = {}, {}
         for variable, keras_path in self._candidates:
             key = (layer_name(variable, keras_path), variable.dtype.name)
             groups.setdefault(key, []).append(variable)
+            path = keras_path or variable.name.split(":")[0]
+            if path in paths.setdefault(key, set()):
+                self._candidates = []
+                raise GeePSError(
+                    f"two variables are called {path!r}: two layers of one "
+                    f"name (in two functional models, whose variable paths "
+                    f"hold only the layer's name) would share one parameter "
+                    f"table; give the layers distinct names")
+            paths[key].add(path)
         self._candidates = []
         existing = {layer.table.name for layer in self.tables}
         for (name, dtype), variables in groups.items():
@@ -427,7 +436,9 @@ class ParameterSync:
                     f"{', '.join(variable_name(v) for v in variables)}: "
                     f"created after the parameter table {table_name!r} was "
                     f"built, which they would have to join; give each model "
-                    f"a distinct name and build layers before training")
+                    f"a distinct name (a functional model's variables carry "
+                    f"only their layer's name: give its layers distinct "
+                    f"names) and build layers before training")
             layout = ops.PackLayout(variables)
             total = layout.total_size
             width = row_width(total, self.max_row_width)

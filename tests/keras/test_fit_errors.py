@@ -225,6 +225,65 @@ def test_a_model_built_outside_the_scope_is_refused_not_trained_alone(
         strategy.close()
 
 
+def test_a_model_with_nothing_to_train_and_bad_callbacks_are_named(
+        thread_cluster):
+    from keras_geeps.keras import ChiefOnly, ParameterServerCallback  # noqa
+
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
+    try:
+        model = small_model(strategy)
+        for layer in model.layers:
+            layer.trainable = False
+        model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+        x, y = regression_data(8)
+        with pytest.raises(GeePSError, match="has no trainable weights"):
+            model.fit(x, y, batch_size=BATCH, verbose=0,
+                      callbacks=strategy.callbacks())
+        for args, pattern in [
+                ((None,), "strategy must be a keras_geeps GeePSStrategy"),
+                ((keras.callbacks.History(), None), "strategy must be"),
+                (("ck.keras", strategy), "callback must be a keras.callb")]:
+            with pytest.raises(TypeError, match=pattern):
+                (ParameterServerCallback if len(args) == 1 else
+                 ChiefOnly)(*args)
+    finally:
+        strategy.close()
+
+
+def test_a_fit_that_runs_no_step_ends_with_the_same_weights(thread_cluster):
+    """fit(epochs=0) (or initial_epoch past epochs) runs no step, yet the
+    strategy's callbacks promise identical weights at its end: the tables
+    are made there and every worker takes worker 0's initial values,
+    without the warning a direct sync() with no step gets."""
+    cluster = thread_cluster(1, 2)
+
+    def worker(w):
+        strategy = GeePSStrategy(client=cluster.client(w, timeout=20))
+        try:
+            with strategy.scope():
+                keras.utils.set_random_seed(w)  # different initial values
+                model = keras.Sequential([keras.Input((5,)),
+                                          keras.layers.Dense(3, name="a")],
+                                         name="m")
+                model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+            x, y = regression_data(8)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                model.fit(x, y[:, :1].repeat(3, 1), epochs=2,
+                          initial_epoch=2, verbose=0,
+                          callbacks=strategy.callbacks())
+            return model.get_weights()
+        finally:
+            strategy.close()
+
+    from tests.worker_threads import run_worker_threads  # noqa: PLC0415
+    results, errors = run_worker_threads(2, worker)
+    assert not errors, errors[0]
+    for a, b in zip(results[0], results[1]):
+        np.testing.assert_array_equal(a, b)
+
+
 # ------------------------------------------------------ distribute_dataset
 def _strategies(thread_cluster):
     cluster = thread_cluster(1, 2)

@@ -69,6 +69,34 @@ def test_a_model_created_after_the_first_step_gets_its_tables(
                    zip(before, second.get_weights()))
 
 
+def test_functional_layers_of_one_name_never_share_a_table(strategy):
+    """A functional model's variable paths hold only the layer's name: two
+    such models with a layer "head" each would have been packed into one
+    table, silently; refused, naming the path. Another model of one name
+    built later is refused with the remedy for both kinds of model."""
+    def functional(name):
+        inputs = keras.Input((5,))
+        model = keras.Model(inputs, keras.layers.Dense(2, name="head")(
+            inputs), name=name)
+        model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+        return model
+
+    with strategy.scope():
+        first, second = functional("first"), functional("second")
+    with pytest.raises(GeePSError, match="two variables are called "
+                                         "'head/kernel'"):
+        _fit(first)
+    assert strategy.parameter_sync.tables == []
+    with strategy.scope():
+        third = functional("third")
+    _fit(third)
+    with strategy.scope():
+        fourth = functional("fourth")
+    with pytest.raises(GeePSError, match="give its layers distinct names"):
+        _fit(fourth)
+    del second
+
+
 def test_layers_built_inside_the_first_step_get_a_table_each(strategy):
     """Layers built lazily, inside the traced step (a Sequential model
     without an Input), create TF variables named plain 'kernel' and
