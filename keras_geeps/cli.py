@@ -1,8 +1,9 @@
 """The `keras-geeps` command line: shard, launch, stats, stop, checkpoint,
-keygen, build-ops."""
+align-checkpoints, keygen, build-ops."""
 
 import argparse
 import json
+import os
 import sys
 
 from keras_geeps import shard as shard_module
@@ -52,6 +53,7 @@ def _cmd_launch(args):
         from keras_geeps.shard import ShardSettings  # noqa: PLC0415
         ShardSettings(checkpoint_dir=args.checkpoint_dir,
                       checkpoint_every=args.checkpoint_every,
+                      worker_timeout=args.worker_timeout,
                       **({} if args.max_pending_clocks is None else
                          {"max_pending_clocks": args.max_pending_clocks}))
         check_restarts(shard_args, shard_restarts=restarts,
@@ -73,8 +75,10 @@ def _ask_all(args, msg_type):
     from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
     from keras_geeps.errors import GeePSTimeoutError  # noqa: PLC0415
     from keras_geeps.protocol import Message  # noqa: PLC0415
+    from keras_geeps.checks import check_seconds  # noqa: PLC0415
     try:
         spec = ClusterSpec(args.shards.split(","))
+        check_seconds("--timeout", args.timeout)
     except ValueError as exc:
         raise SystemExit(f"keras-geeps {args.cmd}: {exc}") from exc
     timeout = args.timeout
@@ -155,9 +159,20 @@ def _cmd_keygen(args):
     try:  # every name first: a bad one writes no pair
         for name in args.names:
             check_key_name(name)
+        if len(set(args.names)) != len(args.names):
+            raise ValueError(f"a name given twice: {args.names}")
     except ValueError as exc:
         print(f"keras-geeps keygen: {exc}", file=sys.stderr)
         return 2
+    if not args.force:  # and every pair's files: one there writes none
+        for name in args.names:
+            for suffix in ("", "_secret"):
+                path = os.path.join(args.directory, f"{name}.key{suffix}")
+                if os.path.exists(path):
+                    print(f"keras-geeps keygen: {path} exists: keep it "
+                          f"(peers hold its public key) or pass --force; "
+                          f"no pair was written", file=sys.stderr)
+                    return 1
     for name in args.names:
         try:
             public, secret = keygen(args.directory, name,

@@ -29,8 +29,9 @@ class ClusterSpec:
         worker_id: this worker's index in [0, num_workers).
 
     Raises:
-        ValueError: no shards, an address that is not a TCP host and port,
-            no workers, or a worker_id outside [0, num_workers).
+        ValueError: no shards, an address that is not a TCP host and port
+            (or one listed twice), no workers, or a worker_id outside
+            [0, num_workers).
         TypeError: one address where a list of them is due.
 
     Example:
@@ -47,6 +48,11 @@ class ClusterSpec:
         if not shards:
             raise ValueError("a cluster needs at least one shard address")
         self.shards = [_as_zmq_address(a) for a in shards]
+        for index, address in enumerate(self.shards):
+            if address in self.shards[:index]:
+                raise ValueError(f"shard address {address} is listed twice "
+                                 f"(shards {self.shards.index(address)} and "
+                                 f"{index}): each shard has its own")
         check_count("num_workers", num_workers, 1)
         check_index("worker_id", worker_id, num_workers)
         self.num_workers = int(num_workers)
@@ -71,21 +77,30 @@ class ClusterSpec:
             tf_config = os.environ.get("TF_CONFIG")
             if not tf_config:
                 raise ValueError("TF_CONFIG is not set")
-        config = (json.loads(tf_config) if isinstance(tf_config, str)
-                  else tf_config)
+        try:
+            config = (json.loads(tf_config) if isinstance(tf_config, str)
+                      else tf_config)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"TF_CONFIG is not JSON: {exc}") from None
         try:
             cluster = config["cluster"]
             shards = cluster["ps"]
             workers = cluster.get("worker", []) + cluster.get("chief", [])
             task = config.get("task", {"type": "worker", "index": 0})
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"TF_CONFIG has no cluster.ps job: {exc}") \
-                from None
-        if task.get("type", "worker") == "chief":
-            worker_id = 0
-        else:
-            worker_id = int(task.get("index", 0)) + len(
-                cluster.get("chief", []))
+            kind, index = task.get("type", "worker"), task.get("index", 0)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"TF_CONFIG has no cluster.ps job and task "
+                             f"{{type, index}}: {exc!r}") from None
+        if kind not in ("worker", "chief"):
+            raise ValueError(
+                f"TF_CONFIG's task is a {kind!r}: only chief and worker "
+                f"tasks train (the shards are the ps job, started with "
+                f"`keras-geeps shard`; an evaluator runs no GeePS worker)")
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"TF_CONFIG's task index {index!r} is not an "
+                             f"int")
+        worker_id = 0 if kind == "chief" else index + len(
+            cluster.get("chief", []))
         return cls(shards, max(1, len(workers)), worker_id)
 
     @classmethod
@@ -93,9 +108,16 @@ class ClusterSpec:
         """Builds the spec from keras_geeps' variables, else `TF_CONFIG`."""
         shards = os.environ.get(ENV_SHARDS)
         if shards:
-            return cls(shards.split(","),
-                       int(os.environ.get(ENV_NUM_WORKERS, "1")),
-                       int(os.environ.get(ENV_WORKER_ID, "0")))
+            counts = []
+            for name, default in ((ENV_NUM_WORKERS, "1"),
+                                  (ENV_WORKER_ID, "0")):
+                text = os.environ.get(name, default)
+                try:
+                    counts.append(int(text))
+                except ValueError:
+                    raise ValueError(f"${name} is {text!r}, not an "
+                                     f"integer") from None
+            return cls(shards.split(","), *counts)
         return cls.from_tf_config()
 
     def to_env(self):
@@ -114,9 +136,10 @@ def _as_zmq_address(address):
     full = address if "://" in address else f"tcp://{address}"
     scheme, _, rest = full.partition("://")
     host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not host or not (port.isascii() and
-                                           port.isdigit()) or \
-            not 0 < int(port) < 65536:
+    bad_host = not host or host == "*" or any(c.isspace() for c in host)
+    bad_port = not (port.isascii() and port.isdigit()) or \
+        not 0 < int(port) < 65536
+    if scheme != "tcp" or bad_host or bad_port:
         raise ValueError(f"shard address {address!r} is not host:port or "
                          f"tcp://host:port with a port in [1, 65535]")
     return full

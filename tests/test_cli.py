@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -476,3 +477,41 @@ def test_launch_aligns_checkpoints_before_restoring_a_whole_job(tmp_path):
     text = output.getvalue()
     assert code == 1 and "shard 0" in text and "was stopped" in text, text
     assert "starting the whole job again" not in text
+
+
+def test_bad_flag_values_get_one_line_not_a_traceback(tmp_path, capsys):
+    """Values argparse's types let through (a level that is none, a size
+    past libzmq's int64, a timeout of 0, inf or nan, an address to bind
+    rather than reach) are refused with one line naming the flag."""
+    from keras_geeps.cli import main  # noqa: PLC0415
+    shard = ["shard", "--shard-id", "0", "--num-shards", "1",
+             "--num-workers", "1"]
+    for argv, pattern in [
+            ([*shard, "--log-level", "bogus"], "invalid choice: 'BOGUS'"),
+            ([*shard, "--max-message-bytes", str(1 << 63)],
+             "max_message_bytes must be at most"),
+            (["stats", "--shards", "127.0.0.1:1", "--timeout", "inf"],
+             "--timeout must be a number of seconds > 0"),
+            (["stop", "--shards", "127.0.0.1:1", "--timeout", "0"],
+             "--timeout must be"),
+            (["stats", "--shards", "tcp://*:7000"], "is not host:port"),
+            (["launch", "--worker-timeout", "nan", "--", "true"],
+             "worker_timeout must be a number of seconds")]:
+        with pytest.raises(SystemExit) as exited:
+            code = main(argv)
+            raise SystemExit(code)
+        message = str(exited.value.code) + capsys.readouterr().err
+        assert exited.value.code != 0 and re.search(pattern, message), \
+            (argv, message)
+        assert "Traceback" not in message
+
+
+def test_keygen_refuses_before_writing_any_pair(tmp_path, capsys):
+    from keras_geeps.cli import main  # noqa: PLC0415
+    keys = tmp_path / "keys"
+    assert main(["keygen", str(keys), "w1"]) == 0
+    assert main(["keygen", str(keys), "w0", "w1"]) == 1
+    assert "w1.key exists" in capsys.readouterr().err
+    assert main(["keygen", str(keys), "a", "a"]) == 2
+    assert "a name given twice" in capsys.readouterr().err
+    assert sorted(os.listdir(keys)) == ["w1.key", "w1.key_secret"]

@@ -3,6 +3,7 @@
 import functools
 import gc
 import os
+import re
 import socket
 import threading
 import time
@@ -37,16 +38,46 @@ def test_cluster_spec_from_tf_config():
     assert (spec.num_workers, spec.worker_id) == (3, 2)
     with pytest.raises(ValueError, match="no cluster.ps"):
         ClusterSpec.from_tf_config({"cluster": {"worker": ["w:1"]}})
+    chief = ClusterSpec.from_tf_config({
+        "cluster": {"ps": ["h1:1"], "chief": ["c:1"], "worker": ["w:1"]},
+        "task": {"type": "worker", "index": 0}})
+    assert (chief.num_workers, chief.worker_id) == (2, 1)
+    cluster = {"ps": ["h1:1"], "worker": ["w:1"], "evaluator": ["e:1"]}
+    for config, pattern in [
+            ("{not json", "TF_CONFIG is not JSON"),
+            ({"cluster": cluster, "task": "worker"}, "task {type, index}"),
+            ({"cluster": cluster, "task": {"type": "evaluator"}},
+             "task is a 'evaluator': only chief and worker"),
+            ({"cluster": cluster, "task": {"type": "ps", "index": 0}},
+             "task is a 'ps'"),
+            ({"cluster": cluster, "task": {"type": "worker", "index": "0"}},
+             "index '0' is not an int")]:
+        with pytest.raises(ValueError, match=pattern):
+            ClusterSpec.from_tf_config(config)
+
+
+def test_cluster_spec_from_env_names_a_bad_variable(monkeypatch):
+    monkeypatch.setenv("KERAS_GEEPS_SHARDS", "h:1,h:2")
+    monkeypatch.setenv("KERAS_GEEPS_NUM_WORKERS", "two")
+    with pytest.raises(ValueError, match=r"\$KERAS_GEEPS_NUM_WORKERS is "
+                                         r"'two', not an integer"):
+        ClusterSpec.from_env()
+    monkeypatch.setenv("KERAS_GEEPS_NUM_WORKERS", "2")
+    monkeypatch.setenv("KERAS_GEEPS_WORKER_ID", "1")
+    assert ClusterSpec.from_env().worker_id == 1
 
 
 def test_cluster_spec_names_an_address_that_is_not_tcp_host_port():
     assert ClusterSpec(["[::1]:7000", "tcp://h:65535"]).shards == [
         "tcp://[::1]:7000", "tcp://h:65535"]
     for bad in ("h", "h:", ":7000", "h:0", "h:65536", "h:x", "h:\u00b2",
-                "ipc:///tmp/s", "tcp://h"):
-        with pytest.raises(ValueError, match=f"shard address '{bad}' is "
-                                             f"not host:port"):
+                "ipc:///tmp/s", "tcp://h", "tcp://*:7000", "a b:7000"):
+        with pytest.raises(ValueError, match=re.escape(
+                f"shard address '{bad}' is not host:port")):
             ClusterSpec(["h:1", bad])
+    with pytest.raises(ValueError, match="tcp://h:1 is listed twice "
+                                         r"\(shards 0 and 2\)"):
+        ClusterSpec(["h:1", "h:2", "tcp://h:1"])
 
 
 def test_client_names_bad_settings_and_unknown_tables(thread_cluster):

@@ -199,6 +199,7 @@ def test_missing_file_names_it(tmp_path):
 @pytest.mark.parametrize("damage,match", [
     ("magic", "magic number"),
     ("truncated", "header says shape"),
+    ("overflowing", r"header says shape \(2147483648, 2147483648, 4\)"),
     ("not_gzip", "not a readable gzip file"),
     ("label_range", "label 12 is not below 10"),
     ("count_mismatch", "11 labels for 12 images"),
@@ -216,6 +217,9 @@ def test_corrupt_file_gives_clear_error(tmp_path, damage, match):
             data = f.read()
         with gzip.open(images_path, "wb") as f:
             f.write(data[:-100])
+    elif damage == "overflowing":  # dims whose uint64 product wraps to 0
+        with gzip.open(images_path, "wb") as f:
+            f.write(struct.pack(">4I", 0x0803, 1 << 31, 1 << 31, 4))
     elif damage == "not_gzip":
         images_path.write_bytes(b"this is not gzip")
     elif damage == "label_range":

@@ -33,6 +33,7 @@ images, labels = next(iter(train))  # float32 (128, 28, 28, 1), int64 (128,)
 """
 
 import gzip
+import math
 import os
 import zlib
 
@@ -106,10 +107,11 @@ def _read_idx(path, magic, rank):
             f"expected {magic:#010x}")
     shape = tuple(int(d) for d in np.frombuffer(data, ">u4", rank, 4))
     payload_bytes = len(data) - header_bytes
-    if payload_bytes != int(np.prod(shape)):
+    declared = math.prod(shape)  # Python ints: np.prod wraps at 2**64
+    if payload_bytes != declared:
         raise _source_error(
             path, f"is corrupt: header says shape {shape} "
-            f"({int(np.prod(shape))} bytes), file holds {payload_bytes}")
+            f"({declared} bytes), file holds {payload_bytes}")
     return np.frombuffer(data, np.uint8, offset=header_bytes).reshape(shape)
 
 

@@ -59,7 +59,9 @@ def build_parser(parser=None):
                         help="never exchange rows with co-located workers "
                              "through shared memory (also: "
                              "KERAS_GEEPS_SHM=0)")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR",
+                                 "CRITICAL"))
     return parser
 
 

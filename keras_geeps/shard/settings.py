@@ -3,6 +3,9 @@
 from keras_geeps import protocol, shm
 from keras_geeps.checks import check_count, check_seconds
 
+# The largest count or size a setting takes (libzmq's limits are int64).
+MAX_SETTING = 1 << 62
+
 
 class ShardSettings:
     """Limits and tuning of one shard.
@@ -83,6 +86,9 @@ class ShardSettings:
                 ("checkpoint_every", checkpoint_every, 0),
                 ("max_held_buffers", max_held_buffers, 0)):
             check_count(name, value, least)
+            if value > MAX_SETTING:
+                raise ValueError(f"{name} must be at most {MAX_SETTING:,}, "
+                                 f"not {value:,}")
         check_seconds("worker_timeout", worker_timeout,
                       zero_means="not watched")
         if on_worker_failure not in ("stop", "continue"):
