@@ -26,7 +26,14 @@ def _cmd_launch(args):
         print(f"keras-geeps launch: --workers and --shards must be >= 1, "
               f"not {args.workers} and {args.shards}", file=sys.stderr)
         return 2
-    if min(args.checkpoint_every, args.shard_restarts, args.worker_restarts,
+    if args.shard_restarts is not None and args.checkpoint_every <= 0:
+        print("keras-geeps launch: --shard-restarts needs --checkpoint-dir "
+              "and --checkpoint-every K (> 0): a shard starts again from "
+              "its checkpoint", file=sys.stderr)
+        return 2
+    shard_restarts = 3 if args.shard_restarts is None else \
+        args.shard_restarts
+    if min(args.checkpoint_every, shard_restarts, args.worker_restarts,
            args.job_restarts, args.worker_timeout) < 0:
         print("keras-geeps launch: --checkpoint-every, --shard-restarts, "
               "--worker-restarts, --job-restarts and --worker-timeout must "
@@ -48,7 +55,7 @@ def _cmd_launch(args):
         shard_args += ["--worker-timeout", str(args.worker_timeout)]
     if args.on_worker_failure:
         shard_args += ["--on-worker-failure", args.on_worker_failure]
-    restarts = args.shard_restarts if args.checkpoint_every > 0 else 0
+    restarts = shard_restarts if args.checkpoint_every > 0 else 0
     try:  # what every shard, or launch, would refuse at start, said here
         from keras_geeps.shard import ShardSettings  # noqa: PLC0415
         ShardSettings(checkpoint_dir=args.checkpoint_dir,
@@ -220,9 +227,10 @@ def build_parser():
     launch.add_argument("--deterministic-sums", action="store_true",
                         help="the shards add each clock's updates in worker "
                              "order: a rerun ends bit-identical")
-    launch.add_argument("--shard-restarts", type=int, default=3,
+    launch.add_argument("--shard-restarts", type=int, default=None,
                         help="how many times in all dead shards are "
-                             "started again (with --checkpoint-every > 0)")
+                             "started again (needs --checkpoint-every > 0; "
+                             "3 if not given)")
     launch.add_argument("--worker-timeout", type=float, default=0.0,
                         help="the shards declare a worker silent S seconds "
                              "dead (0: never)")

@@ -25,6 +25,7 @@ from keras_geeps.checkpoint import CheckpointError
 from keras_geeps.checks import check_count
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
+from keras_geeps.shard.writer import WRITER_JOIN_S
 
 _READY = re.compile(r"serving (tcp://\S+)(?: \(sealed data (tcp://\S+)\))?")
 
@@ -177,8 +178,15 @@ class ShardProcess:
             if match:
                 self.address, self.data_address = match.groups()
 
-    def terminate(self, timeout=10.0):
-        """SIGTERM, then SIGKILL if it has not exited within `timeout`."""
+    def terminate(self, timeout=None):
+        """SIGTERM, then SIGKILL if it has not exited within `timeout`
+        seconds. Defaults to None: 10 s, or, for a shard that writes
+        checkpoints, long enough for the write under way and its last one
+        (`writer.WRITER_JOIN_S` each): SIGKILL would lose them."""
+        if timeout is None:
+            args = self.args[3]
+            checkpoints = "--checkpoint-dir" in args or "--restore" in args
+            timeout = 2 * WRITER_JOIN_S + 10.0 if checkpoints else 10.0
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -193,8 +201,15 @@ class ShardProcess:
             self.process.kill()
             self.process.wait()
 
-    def restart(self, extra_args=()):
-        """A new shard process on the same address (after `kill`)."""
+    def restart(self, extra_args=(), start_timeout=600.0):
+        """A new shard process on the same address (after `kill`).
+
+        Args:
+            extra_args: flags to add (e.g. ["--restore"]).
+            start_timeout: seconds to wait for it to serve. Defaults to
+                600: a restore reads the whole checkpoint first (a shard
+                that fails exits, and is reported at once).
+        """
         shard_id, num_shards, num_workers, args = self.args
         args = list(args)
         if "--data-bind" in args:  # (added by an earlier restart)
@@ -208,7 +223,8 @@ class ShardProcess:
         args += list(extra_args)
         # (a port briefly taken meanwhile: the shard retries its bind)
         return ShardProcess(shard_id, num_shards, num_workers, args,
-                            self.output, bind=self.address)
+                            self.output, start_timeout=start_timeout,
+                            bind=self.address)
 
 
 class LocalCluster:

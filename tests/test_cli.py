@@ -496,7 +496,11 @@ def test_bad_flag_values_get_one_line_not_a_traceback(tmp_path, capsys):
              "--timeout must be"),
             (["stats", "--shards", "tcp://*:7000"], "is not host:port"),
             (["launch", "--worker-timeout", "nan", "--", "true"],
-             "worker_timeout must be a number of seconds")]:
+             "worker_timeout must be a number of seconds"),
+            ([*shard, "--data-bind", "tcp://127.0.0.1:0"],
+             "--data-bind needs --curve-secret-key"),
+            (["launch", "--shard-restarts", "5", "--", "true"],
+             "--shard-restarts needs --checkpoint-dir")]:
         with pytest.raises(SystemExit) as exited:
             code = main(argv)
             raise SystemExit(code)

@@ -111,6 +111,10 @@ def run_from_args(args):
             raise SystemExit("--curve-secret-key and --curve-allowed-clients"
                              " go together")
         curve = (args.curve_secret_key, args.curve_allowed_clients)
+    if args.data_bind and curve is None:
+        raise SystemExit("keras-geeps shard: --data-bind needs "
+                         "--curve-secret-key and --curve-allowed-clients "
+                         "(the sealed data socket exists only with CURVE)")
     try:
         server = ShardServer(args.bind, args.shard_id, args.num_shards,
                              args.num_workers, settings, restore=args.restore,
