@@ -22,7 +22,8 @@ float64 sum of up to 2**29 equal float32 values is exact).
 
 import numpy as np
 
-from keras_geeps.errors import GeePSError, GeePSTimeoutError
+from keras_geeps.errors import (GeePSError, GeePSServerError,
+                                GeePSTimeoutError)
 
 _HEAD = 2       # count, key
 _PER_VALUE = 4  # finite part, #NaN, #+inf, #-inf
@@ -66,8 +67,23 @@ class WorkerMean:
         try:
             table = self.client.table(self.name)
         except KeyError:
-            return self.client.create_table(self.name, 1, self.width,
-                                            dtype="float64", per_clock=True)
+            try:
+                return self.client.create_table(
+                    self.name, 1, self.width, dtype="float64",
+                    per_clock=True)
+            except GeePSServerError as exc:
+                if "exists as" not in str(exc):
+                    raise
+                # Another worker made another table at this point of the
+                # table order: its barriers come in another order.
+                raise GeePSError(
+                    f"{self.name}: the workers reached their epoch-end "
+                    f"barriers in different orders ({exc}). Every worker "
+                    f"must average alike: the same validation settings "
+                    f"(validation_data / validation_split, "
+                    f"validation_freq) and callbacks on all, since the "
+                    f"statistics are averaged before validation where it "
+                    f"runs") from exc
         if (table.rows, table.width, table.per_clock) != (1, self.width,
                                                           True):
             raise GeePSError(

@@ -223,3 +223,41 @@ def test_a_worker_that_never_comes_is_named_within_the_timeout(
     results, errors = run_worker_threads(2, epoch, timeout=30)
     assert not errors
     assert results[0] < 10  # the client's timeout, not forever
+
+
+def test_validating_on_one_worker_only_is_named(thread_cluster):
+    """The statistics are averaged before validation where it runs, after
+    the logs elsewhere: with validation on worker 0 only, the workers make
+    their barrier tables in different orders. Worker 0 is told why (not
+    the shard's 'table 3 exists as ...'); worker 1 waits, then times out."""
+    from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
+    cluster = thread_cluster(1, 2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 5)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+
+    def worker(w):
+        strategy = GeePSStrategy(client=cluster.client(w, timeout=5))
+        try:
+            with _BUILD, strategy.scope():
+                keras.utils.set_random_seed(1)
+                model = keras.Sequential([
+                    keras.Input((5,)), keras.layers.Dense(4, name="a"),
+                    keras.layers.BatchNormalization(name="bn"),
+                    keras.layers.Dense(2, name="b")], name="m")
+                model.compile(optimizer="sgd", loss="mse",
+                              jit_compile=False)
+            validation = {"validation_data": (x[:8], y[:8])} if w == 0 \
+                else {}
+            with pytest.raises(GeePSError) as raised:
+                model.fit(x[w::2], y[w::2], batch_size=4, verbose=0,
+                          callbacks=strategy.callbacks(), **validation)
+            return raised.value
+        finally:
+            strategy.close()
+
+    results, errors = run_worker_threads(2, worker)
+    assert not errors, errors[0]
+    assert "reached their epoch-end barriers in different orders" in \
+        str(results[0]) and "validation settings" in str(results[0])
+    assert isinstance(results[1], GeePSTimeoutError)
