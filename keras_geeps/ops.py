@@ -111,6 +111,8 @@ def _require_variable(value, what):
 
 
 def _indices(indices):
+    if isinstance(indices, (list, tuple)) and not indices:
+        indices = tf.zeros([0], tf.int64)  # (an empty list reads as float)
     indices = tf.convert_to_tensor(indices)
     if indices.dtype not in (tf.int32, tf.int64):
         raise TypeError(f"indices must be int32 or int64, got {indices.dtype}")

@@ -99,6 +99,16 @@ def test_scatter_add_rows_matches_tensor_scatter_nd_add(device, dtype,
     np.testing.assert_array_equal(_np(variable), reference)
 
 
+def test_an_empty_python_list_of_indices_is_no_rows():
+    """[] converts to a float32 tensor; as indices it means no rows."""
+    variable = tf.Variable(tf.ones([3, 2]))
+    assert ops.gather_rows(variable, []).shape == (0, 2)
+    ops.scatter_add_rows(variable, [], tf.zeros([0, 2]))
+    np.testing.assert_array_equal(variable.numpy(), np.ones([3, 2]))
+    with pytest.raises(TypeError, match="indices must be int32 or int64"):
+        ops.gather_rows(variable, [0.5])
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), width=st.integers(0, 9),
        indices=st.lists(st.integers(0, 39), max_size=60))
