@@ -16,6 +16,7 @@ from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import GeePSError, GeePSTimeoutError
 from keras_geeps.protocol import Message, MsgType
+from keras_geeps.shard import ShardServer, ShardSettings
 from tests.worker_threads import run_clients
 
 
@@ -700,3 +701,75 @@ def test_a_shard_that_welcomed_hears_heartbeats_while_another_is_late():
         early.stop()
         for server in late:
             server.stop()
+
+
+def test_close_sends_the_last_clock_before_its_sockets_go(thread_cluster):
+    """update, clock, close(): the last clock's 1 MiB update and CLOCK
+    were still in ZeroMQ's queues when the sockets closed without
+    lingering, and the other worker waited for them until its timeout
+    (2 to 8 of 20 trials). Every trial must see them."""
+    for trial in range(20):
+        cluster = thread_cluster(1, 2, settings=ShardSettings(
+            shared_memory=False))
+        w1 = cluster.client(1, timeout=5, shared_memory=False)
+        w0 = cluster.client(0, timeout=5, shared_memory=False)
+        t0 = w0.create_table("t", 256, 1024)
+        t1 = w1.create_table("t", 256, 1024)
+        w0.update(t0, np.ones((256, 1024)))
+        w0.clock()
+        w0.close()
+        w1.clock()
+        np.testing.assert_array_equal(w1.read(t1)[:2, :4], 1, str(trial))
+        w1.close()
+        cluster.stop()
+
+
+def test_foreign_tables_repeated_tables_and_lossy_outs_are_refused(
+        thread_cluster):
+    first, second = thread_cluster(1, 1), thread_cluster(1, 1)
+    with first.client(0, timeout=10) as a, second.client(0, timeout=10) as b:
+        ta = a.create_table("t", 2, 2)
+        b.create_table("t", 2, 2)
+        for call in (lambda: b.update(ta, np.ones((2, 2))),
+                     lambda: b.read(ta),
+                     lambda: b.clock([ta])):
+            with pytest.raises(ValueError, match="belongs to another client"):
+                call()
+        with pytest.raises(ValueError, match="got a table twice"):
+            a.clock([ta, "t"])
+        assert ta.clock == 0
+        a.update(ta, np.full((2, 2), 5.75))
+        a.clock()
+        with pytest.raises(ValueError, match="would convert"):
+            a.read(ta, out=np.zeros((2, 2), np.int32))
+        with pytest.raises(ValueError, match="clocks start at 0"):
+            a.read(ta, clock=-7)
+        np.testing.assert_array_equal(a.read(ta), 5.75)
+
+
+def test_a_clock_that_times_out_clocks_no_table(tmp_path):
+    """Table a's shard writes checkpoints, table b's cannot (its folder
+    became a file): b's replay log fills and clock() times out. It used to
+    have clocked a already, leaving the tables a clock apart for good."""
+    folders = [tmp_path / "a", tmp_path / "b"]
+    shards = [ShardServer("tcp://127.0.0.1:0", i, 2, 1, ShardSettings(
+        shared_memory=False, checkpoint_dir=str(folders[i]),
+        checkpoint_every=1)).start() for i in range(2)]
+    try:
+        with GeePSClient(ClusterSpec([s.address for s in shards], 1, 0),
+                         timeout=2, max_log_clocks=2) as client:
+            a = client.create_table("a", 2, 2)
+            b = client.create_table("b", 2, 2)
+            assert [a.parts[0][0], b.parts[0][0]] == [0, 1]
+            time.sleep(0.5)  # the tables' first checkpoints
+            folders[1].rename(tmp_path / "away")
+            folders[1].write_bytes(b"")
+            with pytest.raises(GeePSTimeoutError, match="table 'b'"):
+                for _ in range(4):
+                    client.update(a, np.ones((2, 2)))
+                    client.update(b, np.ones((2, 2)))
+                    client.clock()
+            assert a.clock == b.clock
+    finally:
+        for shard in shards:
+            shard.stop()

@@ -283,6 +283,38 @@ def test_only_writer_writes_new_rows_into_lent_buffers(thread_cluster):
         assert stats["lent_updates"] == 5 and stats["errors"] == 0
 
 
+def test_a_lent_buffer_is_never_added_as_an_update(thread_cluster):
+    """The lent buffer holds new rows: passed with copy=True (the default),
+    with rows=, or after another update, its rows would have been added
+    as an update (7 expected, 13 read). Refused; an ordinary update gives
+    the lend up for the clock, and nothing is counted twice."""
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=20) as client:
+        table = client.create_table("t", 64, 32, init=np.full((64, 32), 5.0,
+                                                              np.float32))
+        client.update(table, np.ones((64, 32), np.float32))
+        client.clock()  # rows 6
+        rows = client.read_shared(table)
+        lent = client.lend_target(table)
+        assert lent is not None
+        lent[:] = rows + 1
+        with pytest.raises(ValueError, match="new rows, not an update"):
+            client.update(table, lent)
+        client.update(table, lent, copy=False)
+        with pytest.raises(ValueError, match="no other update may follow"):
+            client.update(table, np.ones((64, 32), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table), 7.0)
+        rows = client.read_shared(table)
+        lent = client.lend_target(table)
+        assert lent is not None
+        lent[:] = 666.0  # then an ordinary update instead: not adopted
+        client.update(table, np.ones((64, 32), np.float32))
+        client.clock()
+        np.testing.assert_array_equal(client.read(table), 8.0)
+        assert client.shard_stats()[0]["lent_updates"] == 1
+
+
 def test_a_replaced_process_lent_buffer_never_becomes_rows(thread_cluster):
     """A worker's old process (hung, then replaced) keeps its lent buffer
     mapped writable: the shard must never hand that buffer out again."""

@@ -936,13 +936,23 @@ class GeePSClient:
     def handle_for(self, what):
         """The `AccessHandle` for a table, its name, or a handle itself."""
         if isinstance(what, AccessHandle):
+            self._check_own(what.table)
             return what
         if isinstance(what, str):
             what = self.table(what)
         if isinstance(what, Table):
+            self._check_own(what)
             return what.all_rows
         raise TypeError(f"expected a Table, a table name or an AccessHandle,"
                         f" got {type(what).__name__}")
+
+    def _check_own(self, table):
+        """Refuses a table (or a handle of one) another client made: its id
+        and parts are that client's job's, and its rows would go there."""
+        if self._by_name.get(table.name) is not table:
+            raise ValueError(f"table {table.name!r} belongs to another "
+                             f"client: use this client's "
+                             f"(client.table({table.name!r}))")
 
     def _required_age(self, table, clock):
         """The data age a read of `table` at `clock` (None: its current
@@ -954,6 +964,9 @@ class GeePSClient:
             raise TypeError(f"a read of table {table.name!r} at clock "
                             f"{clock!r}: a clock is an integer (or None: "
                             f"this worker's clock of the table)")
+        elif clock < 0:
+            raise ValueError(f"a read of table {table.name!r} at clock "
+                             f"{clock}: clocks start at 0")
         return max(0, int(clock) - self.slack)
 
     def wait_fresh(self, what, clock=None):
@@ -1021,6 +1034,10 @@ class GeePSClient:
         elif out.shape != (count, table.width):
             raise ValueError(f"out has shape {out.shape}, the read gives "
                              f"{(count, table.width)}")
+        elif out.dtype != table.dtype:
+            raise ValueError(f"out has dtype {out.dtype}, table "
+                             f"{table.name!r} holds {table.dtype}: a copy "
+                             f"into it would convert (truncate) the rows")
         elif not out.flags.writeable:
             raise ValueError(f"out is read-only: a read of table "
                              f"{table.name!r} cannot be written there")
@@ -1162,12 +1179,40 @@ class GeePSClient:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"update of table {table.name!r} cannot be "
                              f"{table.dtype.name}: {exc}") from None
+        self._check_lent(table, handle, delta, copy)
         with table.lock:  # the I/O thread replays own updates under it
             self._accumulate(table, handle, delta, copy)
             if table.read_my_writes:
                 for part, buffer_rows, local_rows in handle.parts:
                     table.part_rows[part].writable()[local_rows] += \
                         delta[buffer_rows]
+
+    @staticmethod
+    def _check_lent(table, handle, delta, copy):
+        """A lent buffer (`lend_target`) holds the table's new rows, which
+        the shard adopts as they are: it must be the clock's only update,
+        kept (copy=False), or its rows would be added as an update. An
+        ordinary update instead gives the lend up for this clock."""
+        lent = table.lent_target
+        if lent is None:
+            return
+        if _same_memory(delta, lent[0]):
+            if copy or handle.rows is not None or \
+                    table.update_buffer is not None:
+                raise ValueError(
+                    f"update of table {table.name!r}: the buffer "
+                    f"lend_target gave holds the table's new rows, not an "
+                    f"update: pass it alone, whole, with copy=False "
+                    f"(update(table, lent, copy=False)), or send an update "
+                    f"as usual")
+        elif table.update_buffer is not None and \
+                _same_memory(table.update_buffer, lent[0]):
+            raise ValueError(
+                f"update of table {table.name!r}: this clock's update is "
+                f"the lent buffer's new rows already; no other update may "
+                f"follow it in the clock")
+        else:
+            table.lent_target = None  # not used this clock
 
     @staticmethod
     def _accumulate(table, handle, delta, copy):
@@ -1214,9 +1259,16 @@ class GeePSClient:
         # (every one is looked up first: one unknown clocks none)
         tables = self._tables if tables is None else [
             self.handle_for(t).table for t in tables]
+        if len({id(table) for table in tables}) != len(tables):
+            raise ValueError(f"clock() got a table twice "
+                             f"({[table.name for table in tables]}): each "
+                             f"is clocked once per clock")
+        # Every wait first: one that times out leaves none clocked (and
+        # the tables at one clock), as the README says.
         for table in tables:
             if self._keep_log and len(table.log) >= self._max_log_clocks:
                 self._wait_for_checkpoint(table)
+        for table in tables:
             with self._clock_lock:  # a replay sees every clock whole or not
                 buffer = self._send_update(table)
                 if self._keep_log:
@@ -1444,7 +1496,8 @@ class GeePSClient:
         waits `wait` seconds at most for their ACKs, which follow everything
         sent before. Nothing when the job stopped or the I/O thread failed;
         a shard that does not answer is only logged (a worker_timeout there
-        may then declare this worker dead)."""
+        may then declare this worker dead). (What was sent to the others
+        leaves before the sockets close: `IOThread.close`.)"""
         if self._io is None or self._job_failed is not None or \
                 self._io.failed is not None:
             return

@@ -23,6 +23,9 @@ from keras_geeps.protocol import Message, MsgType, ProtocolError
 log = logging.getLogger("keras_geeps.client")
 
 CLOSED = "the client is closed"
+# How long a closing client's sockets may take to send what it queued
+# (its last clock's updates and clocks) to shards that are gone.
+CLOSE_LINGER_S = 2.0
 # The requests a shard handles at most once per sequence number (it
 # remembers the numbers it handled): a worker keeps those it wrote until a
 # reply to a later one shows the shard got them, and sends them again,
@@ -363,11 +366,31 @@ class IOThread:
             self.failed = GeePSServerError("the I/O thread failed; see the "
                                            "log")
         finally:
+            # A close (not a failure) sends what is queued first: without
+            # it the last clock's updates and CLOCKs, still in ZeroMQ's
+            # queues, went with the sockets and the other workers waited
+            # for them until their timeout.
+            closing = self._stop and self.failed is None
+            if closing:
+                try:
+                    self._send_queued(CLOSE_LINGER_S)
+                except Exception:  # closing all the same
+                    log.exception("keras_geeps I/O thread: sending what "
+                                  "was queued at close failed")
+            linger = int(CLOSE_LINGER_S * 1000) if closing else 0
             for sock in self._sockets:
-                sock.close(linger=0)
+                sock.close(linger=linger)
             for link in self._links.values():
-                link.socket.close(linger=0)
+                link.socket.close(linger=linger)
             self._doorbell_in.close(linger=0)
+
+    def _send_queued(self, limit):
+        """Writes the outbox, then seals what the links' senders hold back
+        as ZeroMQ sends what went before, for `limit` seconds at most."""
+        deadline = time.monotonic() + limit
+        self._flush_outbox()
+        while self._pump_links() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def _heartbeat(self, shard):
         """A heartbeat over the main socket, also with a sealed link: a
