@@ -180,6 +180,44 @@ def test_a_table_whose_creation_failed_moves_no_later_table(thread_cluster):
             np.testing.assert_array_equal(second.read(table), i)
 
 
+def test_a_creation_one_shard_refused_keeps_its_id_from_later_tables(
+        thread_cluster):
+    """Shard 0 refuses a table split over both shards (no memory), shard 1
+    takes it under its id: that id stays the name's, so later tables keep
+    working (each took it again and was refused forever), and a retry of
+    the name, with room made, goes through on it."""
+    from keras_geeps.errors import GeePSServerError  # noqa: PLC0415
+    cluster = thread_cluster(2, 1, settings=ShardSettings(
+        max_table_bytes=600_000, shared_memory=False))
+    with cluster.client(0, timeout=5, shared_memory=False) as client:
+        client.create_table("small", 200, 250)  # 200 KB on shard 0
+        with pytest.raises(GeePSServerError, match="memory limit"):
+            client.create_table("big", 512, 256)  # 2 x 256 KiB
+        assert [t.name for t in client.tables] == ["small"]
+        with pytest.raises(KeyError):
+            client.table("big")
+        other = client.create_table("other", 10, 10)
+        assert other.id == 2
+        client.update(other, np.ones((10, 10)))
+        client.clock([other])
+        np.testing.assert_array_equal(client.read(other), 1.0)
+
+
+def test_a_declaration_that_timed_out_can_be_tried_again(thread_cluster):
+    """Worker 1 declares a table before the creator made it and gives up
+    after its timeout; once the creator made it, the same call succeeds
+    (it raised 'exists already' before)."""
+    cluster = thread_cluster(1, 2)
+    with cluster.client(1, timeout=1) as second, \
+            cluster.client(0, timeout=10) as first:
+        with pytest.raises(GeePSTimeoutError):
+            second.create_table("t", 2, 2)
+        first.create_table("t", 2, 2, init=np.full((2, 2), 3.0))
+        table = second.create_table("t", 2, 2)
+        assert table.id == 0
+        np.testing.assert_array_equal(second.read(table), 3.0)
+
+
 def test_bsp_sums_over_two_shards(thread_cluster):
     cluster = thread_cluster(2, 3)
     init = np.arange(700 * 100, dtype=np.float32).reshape(700, 100)

@@ -170,7 +170,7 @@ class GeePSClient:
         self.chunk_bytes = chunk_bytes
         self.worker_id = self.cluster.worker_id
         self.num_workers = self.cluster.num_workers
-        self._tables = []
+        self._tables = []  # by id; a failed creation's stays (`failed`)
         self._by_name = {}
         self._partitioner = RowPartitioner(self.cluster.num_shards)
         self._cond = threading.Condition()
@@ -581,7 +581,9 @@ class GeePSClient:
                              f"({self.max_frame_bytes}); use narrower rows")
         # Counted once created: a creation that fails moves no later table.
         parts = self._partitioner.plan(rows, width * dtype.itemsize)
-        table = Table(len(self._tables), name, rows, width, dtype, parts,
+        reserved = self._reserved_id(name)
+        table = Table(len(self._tables) if reserved is None else reserved,
+                      name, rows, width, dtype, parts,
                       self.read_my_writes and not per_clock, bool(per_clock))
         creator = self.worker_id == self.initializer
         requests, request_parts = [], []
@@ -615,16 +617,40 @@ class GeePSClient:
                     request_parts.append(part)
         table.all_rows = AccessHandle(-1, "read", table)
         # Registered before the requests: a push may follow the ACK at once.
-        self._tables.append(table)
+        if reserved is None:
+            self._tables.append(table)
+        else:
+            self._tables[reserved] = table
         self._by_name[name] = table
         try:
             replies = self._request_all(requests,
                                         f"creation of table {name!r}")
+            self._created(table, creator, replies, request_parts)
         except BaseException:
-            self._tables.pop()
+            # Some shard may hold it under this id (it took the request,
+            # another refused it or did not answer): the id stays this
+            # name's, for a retry, and the next table takes the next one,
+            # as on the workers where the creation went through.
             del self._by_name[name]
+            table.failed = True
             raise
         self._partitioner.take(parts, width * dtype.itemsize)
+        return table
+
+    def _reserved_id(self, name):
+        """The id a failed creation of `name` left (None: a new one)."""
+        for table in self._tables:
+            if table.failed and table.name == name:
+                return table.id
+        return None
+
+    def _live_tables(self):
+        return [table for table in self._tables if not table.failed]
+
+    def _created(self, table, creator, replies, request_parts):
+        """A creation every shard acknowledged: which rows are whose, and a
+        worker (re)joining a job under way starts at its clock."""
+        parts = table.parts
         if creator:
             # Parts a shard held already (restored from a checkpoint, or a
             # running job this restarted creator joins) come pushed and
@@ -646,7 +672,6 @@ class GeePSClient:
             # Creation is collective: return once the initial rows are here
             # (a shard would hold an update until the creator's rows came).
             self.wait_fresh(table, clock=table.clock + self.slack)
-        return table
 
     def _check_restored_clocks(self, table, replies, request_parts):
         """Refuses a table its shards restored at different clocks (a whole
@@ -698,7 +723,7 @@ class GeePSClient:
 
     @property
     def tables(self):
-        return list(self._tables)
+        return self._live_tables()
 
     def virtual_iteration(self):
         """Records one step's accesses; returns the recorder.
@@ -727,6 +752,8 @@ class GeePSClient:
                 f"shard {shard} pushed unknown table {message.table}"))
             return
         table = self._tables[message.table]
+        if table.failed:  # (a shard that took it pushes it all the same)
+            return
         part = table.part_of.get((shard, message.meta.get("row_start")))
         shared = "ref" in message.meta and not message.arrays
         if shared:
@@ -1257,7 +1284,7 @@ class GeePSClient:
             raise TypeError(f"clock() takes a list of tables or their "
                             f"names, got {type(tables).__name__}")
         # (every one is looked up first: one unknown clocks none)
-        tables = self._tables if tables is None else [
+        tables = self._live_tables() if tables is None else [
             self.handle_for(t).table for t in tables]
         if len({id(table) for table in tables}) != len(tables):
             raise ValueError(f"clock() got a table twice "
@@ -1412,7 +1439,7 @@ class GeePSClient:
             tables: the tables whose data age (the oldest) and clock (the
                 furthest) are given. Defaults to all of this client's.
         """
-        tables = self._tables if tables is None else tables
+        tables = self._live_tables() if tables is None else tables
         return {"bytes_sent": self._io.bytes_out + self.shm_bytes_out,
                 "bytes_received": self._io.bytes_in + self.shm_bytes_in,
                 "shm_bytes_sent": self.shm_bytes_out,

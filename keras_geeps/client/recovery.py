@@ -148,7 +148,7 @@ class ShardRecovery:
                     " again while being recovered" if again else "")
         client._io.held.add(shard)
         client._io.requeue_unanswered(shard)
-        parts = [(table, part) for table in client._tables
+        parts = [(table, part) for table in client._live_tables()
                  for part, (s, _, _) in enumerate(table.parts) if s == shard]
         for table, part in parts:  # a push torn by the restart: dropped
             table.incoming[part] = no_push()
