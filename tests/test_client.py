@@ -203,6 +203,22 @@ def test_a_creation_one_shard_refused_keeps_its_id_from_later_tables(
         np.testing.assert_array_equal(client.read(other), 1.0)
 
 
+def test_waits_that_time_out_keep_to_their_timeout(thread_cluster):
+    """A read's timeout is its bound, diagnosis included (the STATS asked
+    then took up to min(5, timeout) more); shard_stats takes its own."""
+    cluster = thread_cluster(1, 2)
+    with cluster.client(0, timeout=3) as client:
+        table = client.create_table("t", 2, 2)
+        client.clock()  # worker 1 never does
+        started = time.monotonic()
+        with pytest.raises(GeePSTimeoutError, match="workers \\[1\\]"):
+            client.read(table)
+        assert time.monotonic() - started < 3 + 0.6 + 1.5  # (it was 6)
+        assert client.shard_stats(timeout=0.5)[0]["tables"]
+        with pytest.raises(ValueError, match="timeout must be"):
+            client.shard_stats(timeout=0)
+
+
 def test_a_declaration_that_timed_out_can_be_tried_again(thread_cluster):
     """Worker 1 declares a table before the creator made it and gives up
     after its timeout; once the creator made it, the same call succeeds

@@ -460,8 +460,9 @@ class GeePSClient:
         table.lent_target = (array, shard, ref[0])
         return array
 
-    def _request_all(self, requests, what):
-        """Sends [(shard, message)] and waits for every reply (bounded).
+    def _request_all(self, requests, what, timeout=None):
+        """Sends [(shard, message)] and waits for every reply, `timeout`
+        seconds at most (None: the client's).
 
         An error the I/O thread queues meanwhile (a restarted shard, a dead
         worker) is raised at once, not after the timeout.
@@ -472,14 +473,15 @@ class GeePSClient:
                 future = Future()
                 self._send(shard, message, future)
                 futures.append(future)
-            deadline = time.monotonic() + self.timeout
+            limit = self.timeout if timeout is None else timeout
+            deadline = time.monotonic() + limit
             for future in futures:
-                self._await_reply(future, deadline, what)
+                self._await_reply(future, deadline, what, limit)
             return [future.message for future in futures]
         finally:  # unanswered ones are waited for no more
             self._io.forget(futures)
 
-    def _await_reply(self, future, deadline, what):
+    def _await_reply(self, future, deadline, what, limit=None):
         while not future.event.wait(
                 min(0.1, max(0.0, deadline - time.monotonic()))):
             if self._closed:
@@ -496,10 +498,11 @@ class GeePSClient:
                 hint = (" (if it requires CURVE keys: are this worker's keys"
                         " allowed?)" if self._curve is not None else
                         " (or does it require CURVE keys?)")
+                limit = self.timeout if limit is None else limit
                 raise GeePSTimeoutError(
                     f"worker {self.worker_id}: shard {shard} "
                     f"({self.cluster.shards[shard]}) did not answer {what} "
-                    f"within {self.timeout:.1f} s: is it running?{hint}")
+                    f"within {limit:.1f} s: is it running?{hint}")
         if self._closed:
             raise self._closed_error()
         if future.error is not None:
@@ -1424,10 +1427,17 @@ class GeePSClient:
 
     # ------------------------------------------------- stats, diagnosis
     def shard_stats(self, timeout=None):
-        """Returns each shard's statistics (a list of dicts, by shard id)."""
+        """Returns each shard's statistics (a list of dicts, by shard id).
+
+        Args:
+            timeout: seconds to wait for every answer. Defaults to None:
+                the client's timeout.
+        """
+        if timeout is not None:
+            check_seconds("timeout", timeout)
         replies = self._request_all(
             [(s, Message(MsgType.STATS))
-             for s in range(self.cluster.num_shards)], "STATS")
+             for s in range(self.cluster.num_shards)], "STATS", timeout)
         return [protocol.stats_of(r) for r in replies]
 
     def stats(self, tables=None):
@@ -1456,7 +1466,9 @@ class GeePSClient:
                              if table.ages[p] < required}):
             asked[shard] = Future()
             self._send(shard, Message(MsgType.STATS), asked[shard])
-        deadline = time.monotonic() + min(5.0, self.timeout)  # all at once
+        # All at once, and briefly: a live shard answers in milliseconds,
+        # and the wait that timed out must not last twice its timeout.
+        deadline = time.monotonic() + min(2.0, max(0.2, 0.2 * self.timeout))
         for shard, future in asked.items():
             address = self.cluster.shards[shard]
             answered = future.event.wait(max(0.0,
@@ -1535,9 +1547,10 @@ class GeePSClient:
                 if shard not in self._lost:
                     futures.append(Future())
                     self._queue(shard, Message(MsgType.LEAVE), futures[-1])
-            deadline = time.monotonic() + min(self.timeout, wait)
+            limit = min(self.timeout, wait)
+            deadline = time.monotonic() + limit
             for future in futures:
-                self._await_reply(future, deadline, "LEAVE")
+                self._await_reply(future, deadline, "LEAVE", limit)
         except GeePSError as exc:
             log.warning("worker %d: closing without every shard hearing it "
                         "leave: %s", self.worker_id, exc)
