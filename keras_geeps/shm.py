@@ -265,7 +265,8 @@ class PeerBuffers:
                 return None
             peer.probe_fd = int(probe_fd)
             return peer
-        except (OSError, ValueError, TypeError) as exc:
+        except (OSError, ValueError, TypeError, OverflowError) as exc:
+            # (a pid or fd of inf: OverflowError)
             log.debug("no shared memory with pid %s: %s", pid, exc)
             return None
 

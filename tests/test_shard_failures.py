@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
-from keras_geeps import checkpoint, protocol
+from keras_geeps import checkpoint, protocol, shm
 from keras_geeps.shard import server as shard_module
 from keras_geeps.shard import writer as writer_module
 from keras_geeps.auth import keygen
@@ -440,6 +440,52 @@ def test_a_table_that_could_take_no_update_is_refused(servers):
                            arrays=[np.ones((25, 4), np.float32)]))
     assert peer.ask_past_pushes(MsgType.CLOCK, table=0, clk=0).type == \
         MsgType.ACK
+
+
+def test_a_checkpointing_shard_keeps_room_for_the_snapshot_too(
+        servers, tmp_path):
+    """With checkpoint_every the clock-0 snapshot copy takes a table's
+    size at once: a table accepted with room for its rows and one clock's
+    updates only then could never take an update. It is refused; one with
+    room for the three takes its updates."""
+    server = servers(num_workers=1, max_table_bytes=1000,
+                     checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    peer = servers.peer(server, 0)
+    reply = peer.ask(MsgType.CREATE, table=0,
+                     arrays=[np.zeros((25, 4), np.float32)],  # 400 bytes
+                     meta=dict(spec(25, 4), chunk_row=0))
+    assert reply.type == MsgType.ERROR
+    assert "3 times that with a clock's updates and its snapshot" in \
+        reply.meta["error"]
+    _create(peer, 20, 4)  # 320 bytes
+    peer.send(peer.message(MsgType.UPDATE, table=0, clk=0,
+                           arrays=[np.ones((20, 4), np.float32)]))
+    assert peer.ask_past_pushes(MsgType.CLOCK, table=0, clk=0).type == \
+        MsgType.ACK
+    assert server.snapshot_stats()["errors"] == 1  # the first CREATE only
+
+
+def test_rows_wider_than_a_message_and_odd_shm_pids_are_refused(servers):
+    """A declaration with no local rows but a row of 8 TiB allocated that
+    row (MemoryError, an internal error); a HELLO whose shared-memory pid
+    is infinite raised OverflowError inside the handshake. Both are plain
+    refusals (no shared memory for the second), nothing internal."""
+    server = servers(num_workers=2, shared_memory=True)
+    peer = servers.peer(server, 0)
+    wide = dict(spec(10, 2 ** 40), dtype="float64", row_start=5, row_end=5)
+    reply = peer.ask(MsgType.DECLARE, table=0, meta=wide)
+    assert reply.type == MsgType.ERROR
+    assert "exceeds max_message_bytes" in reply.meta["error"]
+    other = RawPeer(server.address, 1)
+    try:
+        welcome = other.ask(MsgType.HELLO, meta={
+            "incarnation": 1, "shm": [float("inf"), shm._boot_id(), 3,
+                                      "00" * shm.TOKEN_BYTES]})
+        assert welcome.type == MsgType.WELCOME
+        assert not welcome.meta.get("shm_ok")
+    finally:
+        other.close()
+    assert server.snapshot_stats()["internal_errors"] == 0
 
 
 def test_an_oversized_frame_is_dropped_before_it_is_buffered(servers):

@@ -792,12 +792,22 @@ class ShardServer:
         if len(self._tables) >= self.settings.max_tables:
             raise RequestError(f"shard holds {len(self._tables)} tables, the "
                                f"limit (max_tables)")
-        nbytes = ((spec["row_end"] - spec["row_start"]) * spec["width"]
-                  * protocol.numpy_dtype(spec["dtype"]).itemsize)
-        if not self._room_for(2 * nbytes):  # its rows + a clock's updates
+        row_bytes = spec["width"] * protocol.numpy_dtype(
+            spec["dtype"]).itemsize
+        if row_bytes > self.settings.max_message_bytes:
+            raise RequestError(f"table {message.table}: a row of {row_bytes}"
+                               f" bytes exceeds max_message_bytes="
+                               f"{self.settings.max_message_bytes}")
+        nbytes = (spec["row_end"] - spec["row_start"]) * row_bytes
+        # Its rows + a clock's updates (+ the snapshot a checkpointing
+        # shard takes of it at once, at clock 0).
+        copies = 3 if self.settings.checkpoint_every else 2
+        snapshot = " and its snapshot" if copies == 3 else ""
+        if not self._room_for(copies * nbytes):
             raise RequestError(f"table {message.table} of {nbytes} bytes "
-                               f"(twice that with a clock's updates) "
-                               f"exceeds the shard's memory limit "
+                               f"({copies} times that with a clock's "
+                               f"updates{snapshot}) exceeds the shard's "
+                               f"memory limit "
                                f"(max_table_bytes="
                                f"{self.settings.max_table_bytes}, "
                                f"{self._held_bytes()} bytes held)")

@@ -25,8 +25,9 @@ class Table:
         # What a per-clock table's clocks start from: zeros, one row
         # broadcast (read only, as every base is), which `Pending` knows
         # by its type and never reads.
-        self.zeros = np.broadcast_to(np.zeros((1, self.width), self.dtype),
-                                     self.data.shape).view(ZeroRows)
+        self.zeros = np.broadcast_to(
+            np.zeros((min(1, self.local_rows), self.width), self.dtype),
+            self.data.shape).view(ZeroRows)
         self.initialised = np.zeros(self.local_rows, bool)
         self.ready = self.local_rows == 0
         self.vclock = np.zeros(num_workers, np.int64)
