@@ -465,6 +465,27 @@ def test_a_checkpointing_shard_keeps_room_for_the_snapshot_too(
     assert server.snapshot_stats()["errors"] == 1  # the first CREATE only
 
 
+def test_a_creator_replaced_mid_creation_sends_all_the_rows_again(servers):
+    """The creator sent the first of two chunks and its process died; its
+    new process (welcomed: it died between clocks) sends both chunks
+    again. The first was refused ('already initialised') and the table
+    mixed the two processes' rows; now the new one's rows are the table."""
+    server = servers(num_workers=2)
+    first, other = servers.peer(server, 0), servers.peer(server, 1)
+    table = spec(4, 2)
+    assert other.ask(MsgType.DECLARE, table=0, meta=table).type == \
+        MsgType.ACK
+    assert first.ask(MsgType.CREATE, table=0, arrays=[
+        np.ones((2, 2), np.float32)], meta=dict(table, chunk_row=0)).type \
+        == MsgType.ACK
+    again = servers.peer(server, 0, incarnation=2)
+    for row in (0, 2):
+        reply = again.ask_past_pushes(MsgType.CREATE, table=0, arrays=[
+            np.full((2, 2), 5, np.float32)], meta=dict(table, chunk_row=row))
+        assert reply.type == MsgType.ACK, reply.meta
+    np.testing.assert_array_equal(server._tables[0].data, 5.0)
+
+
 def test_rows_wider_than_a_message_and_odd_shm_pids_are_refused(servers):
     """A declaration with no local rows but a row of 8 TiB allocated that
     row (MemoryError, an internal error); a HELLO whose shared-memory pid

@@ -860,6 +860,14 @@ class ShardServer:
             if message.meta.get("chunk_row", 0) == 0:
                 self._push(table, message.worker)
             return
+        creator = (message.worker, self._incarnations.get(message.worker))
+        if table.creator is not None and table.creator != creator and \
+                table.creator[0] == creator[0]:
+            # The creator's process was replaced in the middle of sending
+            # the rows: the new one sends them all again, and the table
+            # must not mix the two processes' initial values.
+            table.initialised[:] = False
+        table.creator = creator
         # Every frame is checked before any is written: a refused CREATE
         # leaves no rows behind (its corrected resend must not find them).
         row, spans = message.meta.get("chunk_row", 0), []

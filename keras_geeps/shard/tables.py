@@ -29,6 +29,7 @@ class Table:
             np.zeros((min(1, self.local_rows), self.width), self.dtype),
             self.data.shape).view(ZeroRows)
         self.initialised = np.zeros(self.local_rows, bool)
+        self.creator = None  # (worker, incarnation) sending the rows
         self.ready = self.local_rows == 0
         self.vclock = np.zeros(num_workers, np.int64)
         self.updated = np.full(num_workers, -1, np.int64)  # last clock sent
