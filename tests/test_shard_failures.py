@@ -465,6 +465,28 @@ def test_a_checkpointing_shard_keeps_room_for_the_snapshot_too(
     assert server.snapshot_stats()["errors"] == 1  # the first CREATE only
 
 
+def test_a_worker_that_left_and_was_left_behind_rejoins(servers):
+    """Worker 1 left (LEAVE), worker 0 went on past its clocks (continue:
+    a death that buries nothing), and worker 1 says HELLO again: it was
+    welcomed yet refused every request as 'silent for more than
+    worker_timeout', which no one had set. It rejoins at the clock."""
+    server = servers(num_workers=2, on_worker_failure="continue")
+    first, other = _two_workers_one_table(servers, server)
+    assert other.ask_past_pushes(MsgType.LEAVE).type == MsgType.ACK
+    assert first.ask_past_pushes(MsgType.CLOCK, table=0,
+                                 clk=0).type == MsgType.ACK
+    deadline = time.monotonic() + 10
+    while 1 not in server.snapshot_stats()["dead_workers"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    welcome = other.ask_past_pushes(MsgType.HELLO, meta={"incarnation": 1})
+    assert welcome.type == MsgType.WELCOME
+    assert welcome.meta.get("rejoined_at") == 1
+    assert other.ask_past_pushes(MsgType.DECLARE, table=0,
+                                 meta=spec(4, 2)).type == MsgType.ACK
+    assert server.snapshot_stats()["dead_workers"] == []
+
+
 def test_a_creator_replaced_mid_creation_sends_all_the_rows_again(servers):
     """The creator sent the first of two chunks and its process died; its
     new process (welcomed: it died between clocks) sends both chunks

@@ -626,6 +626,12 @@ class ShardServer:
         if previous == incarnation and self._seqs[worker].beyond(message.seq):
             raise self._seq_jump(worker, message.seq)
         rejoined_at = None
+        if previous == incarnation and worker in self._dead:
+            # (a death for silence buried this incarnation: refused above)
+            # It left (closed its client), another worker went on past its
+            # clocks (a death that buries nothing) and its process comes
+            # back: it rejoins, as a new process of it would.
+            rejoined_at = self._rejoin(worker)
         if previous != incarnation:
             # A new worker process (or this shard is new): its requests are
             # numbered from its HELLO on.
