@@ -1326,16 +1326,19 @@ class GeePSClient:
             if time.monotonic() >= deadline:
                 at = {shard: int(table.part_ckpt[part])
                       for part, (shard, _, _) in enumerate(table.parts)}
+                oldest = min(table.log, default=table.clock)  # (trimmed
+                # meanwhile by the I/O thread: then it is empty)
                 raise GeePSTimeoutError(
                     f"worker {self.worker_id}: the replay log of table "
                     f"{table.name!r} holds {len(table.log)} clocks (from "
-                    f"clock {min(table.log)}), max_log_clocks="
+                    f"clock {oldest}), max_log_clocks="
                     f"{self._max_log_clocks}, and the shards wrote no "
                     f"checkpoint of it past clocks {at} (shard: clock) in "
                     f"{self.timeout:.1f} s: is a shard's --checkpoint-dir "
                     f"full or failing? (see the shard's log)")
-            replies = self._request_all(
-                [(s, Message(MsgType.STATS)) for s in shards], "STATS")
+            replies = self._request_all(  # (within the one deadline)
+                [(s, Message(MsgType.STATS)) for s in shards], "STATS",
+                max(0.05, deadline - time.monotonic()))
             for shard, reply in zip(shards, replies):
                 entry = protocol.stats_of(reply)["tables"].get(str(table.id))
                 for part, (s, _, _) in enumerate(table.parts):
