@@ -177,6 +177,9 @@ def test_source_dir_env_var(tmp_path, monkeypatch):
     with pytest.raises(fashion_mnist.FashionMnistSourceError,
                        match="from-env"):
         fashion_mnist.read_split("train")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert fashion_mnist.resolve_source_dir("~/fmnist") == str(
+        tmp_path / "fmnist")
 
 
 def test_data_dir_env_var(tmp_path, monkeypatch):

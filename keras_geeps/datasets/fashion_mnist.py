@@ -170,9 +170,9 @@ def read_split(split, source_dir=None):
 
 def resolve_source_dir(source_dir=None):
     """Returns `source_dir`, else `$KERAS_GEEPS_FASHION_MNIST_DIR`, else the
-    Debian package's folder."""
-    return os.fspath(
-        source_dir or os.environ.get(SOURCE_DIR_ENV) or DEFAULT_SOURCE_DIR)
+    Debian package's folder, with `~` expanded (as `resolve_data_dir`)."""
+    return os.path.expanduser(os.fspath(
+        source_dir or os.environ.get(SOURCE_DIR_ENV) or DEFAULT_SOURCE_DIR))
 
 
 def resolve_data_dir(data_dir=None):
