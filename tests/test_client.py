@@ -827,3 +827,19 @@ def test_a_clock_that_times_out_clocks_no_table(tmp_path):
     finally:
         for shard in shards:
             shard.stop()
+
+
+def test_close_is_bounded_when_the_io_thread_hangs():
+    """An I/O thread stuck in a turn kept its sockets open, and
+    close()'s context.term() waited for them with no bound."""
+    from keras_geeps.client.connection import CLOSE_LINGER_S, IOThread
+    release = threading.Event()
+    io = IOThread(["tcp://127.0.0.1:1"], lambda *_: None,
+                  on_turn=lambda: release.wait(60), name="geeps-io-stuck")
+    try:
+        time.sleep(0.2)  # in its first turn
+        started = time.monotonic()
+        io.close(timeout=0.5)
+        assert time.monotonic() - started < 0.5 + CLOSE_LINGER_S + 2
+    finally:
+        release.set()

@@ -322,10 +322,16 @@ class IOThread:
             return
         self._stop = True
         self._ring()
-        self._thread.join(timeout)
+        self._thread.join(timeout + CLOSE_LINGER_S)
         with self._doorbell_lock:
             self._doorbell.close(linger=0)
-        self._context.term()
+        if self._thread.is_alive():
+            # Its sockets are still open: term() would wait for them with
+            # no bound. The thread is a daemon; the context is left to it.
+            log.warning("keras_geeps I/O thread did not stop within %.0f s;"
+                        " closing without it", timeout + CLOSE_LINGER_S)
+        else:
+            self._context.term()
         with self._lock:
             futures, self._futures = list(self._futures.values()), {}
         for future in futures:
