@@ -142,6 +142,15 @@ def _archive(path, f):
     return np.load(f, allow_pickle=False)
 
 
+def _existing(directory, shard_id, num_shards, older=False):
+    """A shard's checkpoint path; CheckpointError naming it if missing."""
+    path = checkpoint_path(directory, shard_id, num_shards, older)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint of shard {shard_id}/"
+                              f"{num_shards} at {path}")
+    return path
+
+
 def read_meta(path):
     """A checkpoint file's `meta` (the JSON dict), without its rows.
 
@@ -179,10 +188,7 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False):
     Raises:
         CheckpointError: naming the file and what is wrong with it.
     """
-    path = checkpoint_path(directory, shard_id, num_shards, older)
-    if not os.path.exists(path):
-        raise CheckpointError(f"no checkpoint of shard {shard_id}/"
-                              f"{num_shards} at {path}")
+    path = _existing(directory, shard_id, num_shards, older)
     try:
         with open(path, "rb") as f, _archive(path, f) as archive:
             meta = json.loads(archive["meta"].tobytes().decode())
@@ -240,6 +246,32 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False):
             from exc
 
 
+def _clocks_of(path):
+    """{table id: (spec, clock)} from a checkpoint's meta (no rows read)."""
+    try:
+        return {int(tid): (entry["spec"], entry["clock"])
+                for tid, entry in read_meta(path)["tables"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{path}: its meta lists no tables as a "
+                              f"checkpoint's does ({exc!r})") from None
+
+
+def table_clocks(directory, num_shards):
+    """{table id: {shard: clock}} of the shards' latest checkpoints (from
+    their metas; a shard without one is left out).
+
+    Raises:
+        CheckpointError: a checkpoint that cannot be read.
+    """
+    clocks = {}
+    for shard in range(num_shards):
+        path = checkpoint_path(directory, shard, num_shards)
+        if os.path.exists(path):
+            for tid, (_, clock) in _clocks_of(path).items():
+                clocks.setdefault(tid, {})[shard] = clock
+    return clocks
+
+
 def align_job(directory, num_shards, num_workers):
     """Takes every shard's checkpoint to one clock per table.
 
@@ -253,6 +285,8 @@ def align_job(directory, num_shards, num_workers):
     its shards hold (from the latest or the older file). A table some
     shard's part of which is in neither at that clock is left out
     everywhere: its creator creates it again, from its initial values.
+    The plan comes from the files' metas; rows are read only for a shard
+    whose checkpoint is rewritten.
 
     Args:
         directory: the checkpoint folder of all `num_shards` shards.
@@ -263,7 +297,7 @@ def align_job(directory, num_shards, num_workers):
 
     Raises:
         CheckpointError: a shard's latest checkpoint is missing or
-            unreadable, or for another job.
+            unreadable, or (where rewritten) for another job.
 
     Example:
 
@@ -273,40 +307,44 @@ def align_job(directory, num_shards, num_workers):
     """
     latest, older = [], []
     for shard in range(num_shards):
-        latest.append(load_job(directory, shard, num_shards, num_workers))
+        latest.append(_clocks_of(_existing(directory, shard, num_shards)))
         try:
-            older.append(load_job(directory, shard, num_shards, num_workers,
-                                  older=True)[0])
+            older.append(_clocks_of(_existing(directory, shard, num_shards,
+                                              older=True)))
         except CheckpointError:
             older.append({})  # none yet, or unreadable: no way back
-    table_ids = sorted({tid for tables, _ in latest for tid in tables})
-    chosen = [dict() for _ in range(num_shards)]
+    # chosen[shard]: {table id: True where its older file holds the clock}
+    chosen = [{} for _ in range(num_shards)]
     result = {}
-    for tid in table_ids:
-        held = [tables[tid] for tables, _ in latest if tid in tables]
-        target = min(clock for _, clock, _ in held)
-        spec = held[0][0]
+    for tid in sorted({tid for tables in latest for tid in tables}):
+        target = min(tables[tid][1] for tables in latest if tid in tables)
+        rows = next(tables[tid][0]["rows"] for tables in latest
+                    if tid in tables)
         picks, covered = {}, 0
         for shard in range(num_shards):
-            for source in (latest[shard][0], older[shard]):
-                entry = source.get(tid)
-                if entry is not None and entry[1] == target:
-                    picks[shard] = entry
-                    covered += entry[0]["row_end"] - entry[0]["row_start"]
+            for from_older, tables in ((False, latest[shard]),
+                                       (True, older[shard])):
+                spec, clock = tables.get(tid, (None, None))
+                if clock == target:
+                    picks[shard] = from_older
+                    covered += spec["row_end"] - spec["row_start"]
                     break
-        behind = [s for s in range(num_shards)
-                  if tid in latest[s][0] and s not in picks]
-        if covered != spec["rows"] or behind:
+        if covered != rows or any(tid in latest[s] and s not in picks
+                                  for s in range(num_shards)):
             result[tid] = None
             continue
         result[tid] = target
-        for shard, entry in picks.items():
-            chosen[shard][tid] = entry
+        for shard, from_older in picks.items():
+            chosen[shard][tid] = from_older
     for shard in range(num_shards):
-        tables, left = latest[shard]
-        same = set(chosen[shard]) == set(tables) and all(
-            chosen[shard][tid][1] == tables[tid][1] for tid in tables)
-        if not same:
-            write(directory, shard, num_shards, num_workers, chosen[shard],
-                  left)
+        if set(chosen[shard]) == set(latest[shard]) and \
+                not any(chosen[shard].values()):
+            continue  # every table of it as it is
+        tables, left = load_job(directory, shard, num_shards, num_workers)
+        before = load_job(directory, shard, num_shards, num_workers,
+                          older=True)[0] if any(
+                              chosen[shard].values()) else {}
+        write(directory, shard, num_shards, num_workers,
+              {tid: (before if from_older else tables)[tid]
+               for tid, from_older in chosen[shard].items()}, left)
     return result

@@ -412,23 +412,17 @@ def _align(shard_args, num_shards, num_workers, output):
     """`checkpoint.align_job` on the shards' checkpoint folder, saying
     which tables it took back."""
     directory = _shard_settings(shard_args).checkpoint_dir
-    before = {}
-    for shard in range(num_shards):
-        path = checkpoint.checkpoint_path(directory, shard, num_shards)
-        if os.path.exists(path):
-            tables = checkpoint.read_meta(path).get("tables", {})
-            for tid, entry in tables.items():
-                before.setdefault(int(tid), set()).add(entry["clock"])
+    before = checkpoint.table_clocks(directory, num_shards)
     for tid, clock in checkpoint.align_job(directory, num_shards,
                                            num_workers).items():
+        clocks = sorted(set(before.get(tid, {}).values()))
         if clock is None:
             _say(output, f"[launch] table {tid}: its shards' checkpoints "
                          f"hold no common clock; it starts again from its "
                          f"initial values")
-        elif before.get(tid, {clock}) != {clock}:
+        elif clocks != [clock]:
             _say(output, f"[launch] table {tid}: the shards' checkpoints "
-                         f"were at clocks {sorted(before[tid])}; all at "
-                         f"{clock} now")
+                         f"were at clocks {clocks}; all at {clock} now")
 
 
 def _run_job(command, num_workers, num_shards, output, shard_args,
