@@ -481,7 +481,7 @@ class GeePSClient:
         finally:  # unanswered ones are waited for no more
             self._io.forget(futures)
 
-    def _await_reply(self, future, deadline, what, limit=None):
+    def _await_reply(self, future, deadline, what, limit):
         while not future.event.wait(
                 min(0.1, max(0.0, deadline - time.monotonic()))):
             if self._closed:
@@ -498,7 +498,6 @@ class GeePSClient:
                 hint = (" (if it requires CURVE keys: are this worker's keys"
                         " allowed?)" if self._curve is not None else
                         " (or does it require CURVE keys?)")
-                limit = self.timeout if limit is None else limit
                 raise GeePSTimeoutError(
                     f"worker {self.worker_id}: shard {shard} "
                     f"({self.cluster.shards[shard]}) did not answer {what} "

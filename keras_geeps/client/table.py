@@ -151,9 +151,9 @@ class Table:
         # durable checkpoint holds the part: a shard that restarts before
         # then has no copy of them.
         self.init = {}
-        # A creation some shard took and another refused: the id stays
-        # this name's (a later creation of it takes it again), and the
-        # table is in no list, clock or read.
+        # A creation that failed (some shard may hold it under its id):
+        # the id stays this name's (a later creation of it takes it
+        # again), and the table is in no list, clock or read.
         self.failed = False
         self.created_again = set()  # parts whose init went to a shard
         # restored without them (their rows are still these)

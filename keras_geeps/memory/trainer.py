@@ -1022,18 +1022,16 @@ class LayerwiseTrainer:
         try:
             self.writer.drain()
         except GeePSError:
-            pass  # the failed step raised it already
+            pass  # the failed step raised it already (and is drained)
         try:
-            for unit in self.units:
-                if self.plan.staged[unit.index]:
-                    unit.fill_all(self.store.get(unit.index))
+            self.materialize()
         except Exception as exc:  # noqa: BLE001 - reported, weights guarded
+            self._materialized = False  # (some may be empty still)
             warnings.warn(f"the layer-wise trainer closed after a failed "
                           f"step and could not restore the staged layers' "
                           f"weights ({exc}): the model's weights cannot be "
                           f"read", RuntimeWarning, stacklevel=3)
             return
-        self._materialized = True
         warnings.warn("the layer-wise trainer closed after a failed step: "
                       "its staged layers hold the values last written back "
                       "(a layer the failed step had not written back lacks "
