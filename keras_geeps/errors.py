@@ -21,7 +21,15 @@ class GeePSTimeoutError(GeePSError, TimeoutError):
 
 
 class GeePSServerError(GeePSError):
-    """A shard refused a request; the message is the shard's explanation."""
+    """A shard refused a request; the message is the shard's explanation.
+
+    Attributes:
+        code: the refusal's code (`protocol.ERROR_*`), or None.
+    """
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.code = code
 
 
 class GeePSWorkerFailedError(GeePSError):

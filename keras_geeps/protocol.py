@@ -181,9 +181,13 @@ _META_SCHEMA = {
     MsgType.LEAVE: {},
 }
 
-# ERROR codes a client acts on (other errors carry no code).
+# ERROR codes a client acts on (other errors carry no code, or one that
+# names the refusal for the caller: `GeePSServerError.code`).
 ERROR_HELLO_REQUIRED = "hello_required"  # shard restarted: HELLO, replay
 ERROR_WORKER_DEAD = "worker_dead"        # a worker stopped; the job stops
+CLIENT_ACTS_ON = frozenset({ERROR_HELLO_REQUIRED, ERROR_WORKER_DEAD})
+# A CREATE / DECLARE of a table id the shard holds with another spec.
+ERROR_TABLE_EXISTS = "table_exists"
 
 # How many raw frames each type may carry: (minimum, maximum).
 _FRAME_COUNTS = {

@@ -439,11 +439,12 @@ def test_client_surfaces_shard_errors(thread_cluster):
         table = client.create_table("x", 2, 2)
         with pytest.raises(ValueError, match="expected 4"):
             client.update(table, np.ones(5))
-        with pytest.raises(GeePSServerError, match="exists as"):
+        with pytest.raises(GeePSServerError, match="exists as") as raised:
             # Another worker's view of the table that disagrees.
             client._tables.pop()
             del client._by_name["x"]
             client.create_table("x", 2, 3)
+        assert raised.value.code == protocol.ERROR_TABLE_EXISTS
 
 
 def test_process_shard_stops_on_sigterm(process_cluster):

@@ -595,12 +595,12 @@ class IOThread:
         with self._lock:
             future = self._futures.pop((shard, message.seq), None)
         if kind == MsgType.ERROR:
-            if code and self._on_error is not None:
+            if code in protocol.CLIENT_ACTS_ON and self._on_error is not None:
                 self._on_error(shard, message, future)
                 return
             error = GeePSServerError(
                 f"shard {shard} ({self._addresses[shard]}) refused request "
-                f"{message.seq}: {message.meta.get('error')}")
+                f"{message.seq}: {message.meta.get('error')}", code)
             self._report(future, error)
         elif future is not None:
             future.set(message)

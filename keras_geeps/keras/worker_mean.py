@@ -22,6 +22,7 @@ float64 sum of up to 2**29 equal float32 values is exact).
 
 import numpy as np
 
+from keras_geeps import protocol
 from keras_geeps.errors import (GeePSError, GeePSServerError,
                                 GeePSTimeoutError)
 
@@ -72,7 +73,7 @@ class WorkerMean:
                     self.name, 1, self.width, dtype="float64",
                     per_clock=True)
             except GeePSServerError as exc:
-                if "exists as" not in str(exc):
+                if exc.code != protocol.ERROR_TABLE_EXISTS:
                     raise
                 # Another worker made another table at this point of the
                 # table order: its barriers come in another order.

@@ -447,7 +447,8 @@ class ShardServer:
         self.stats["errors"] += 1
         seq = message.seq if message is not None else -1
         table = message.table if message is not None else -1
-        if code is None:
+        if code not in protocol.CLIENT_ACTS_ON:  # (those are logged
+            # where they arise, or are routine: a restart's stale requests)
             log.warning("shard %d: refused a request (seq %d): %s",
                         self.shard_id, seq, error)
         meta = {"error": error[:2000]}
@@ -793,7 +794,8 @@ class ShardServer:
             if table.spec != spec:
                 raise RequestError(f"table {message.table} exists as "
                                    f"{table.spec}, worker {message.worker} "
-                                   f"declares {spec}")
+                                   f"declares {spec}",
+                                   protocol.ERROR_TABLE_EXISTS)
             return table
         if len(self._tables) >= self.settings.max_tables:
             raise RequestError(f"shard holds {len(self._tables)} tables, the "
