@@ -38,6 +38,12 @@ def check_key_name(name):
                          f"'_', '.' or '-', starting with a letter or digit")
 
 
+def pair_paths(directory, name):
+    """[public, secret] paths of key pair `name` in `directory`."""
+    return [os.path.join(directory, f"{name}.key{suffix}")
+            for suffix in ("", "_secret")]
+
+
 def keygen(directory, name, overwrite=False):
     """Writes `<name>.key` (public) and `<name>.key_secret` into `directory`.
 
@@ -70,9 +76,8 @@ def keygen(directory, name, overwrite=False):
     require_curve()
     check_key_name(name)
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    paths = [os.path.join(directory, f"{name}.key{suffix}")
-             for suffix in ("", "_secret")]
-    existing = [p for p in paths if os.path.exists(p)]
+    existing = [p for p in pair_paths(directory, name)
+                if os.path.exists(p)]
     if existing and not overwrite:
         raise FileExistsError(f"{existing[0]} exists: keep it (peers hold "
                               f"its public key) or pass overwrite=True "

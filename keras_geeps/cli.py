@@ -162,7 +162,8 @@ def _cmd_align_checkpoints(args):
 
 
 def _cmd_keygen(args):
-    from keras_geeps.auth import check_key_name, keygen  # noqa: PLC0415
+    from keras_geeps.auth import (check_key_name, keygen,  # noqa: PLC0415
+                                  pair_paths)
     try:  # every name first: a bad one writes no pair
         for name in args.names:
             check_key_name(name)
@@ -173,8 +174,7 @@ def _cmd_keygen(args):
         return 2
     if not args.force:  # and every pair's files: one there writes none
         for name in args.names:
-            for suffix in ("", "_secret"):
-                path = os.path.join(args.directory, f"{name}.key{suffix}")
+            for path in pair_paths(args.directory, name):
                 if os.path.exists(path):
                     print(f"keras-geeps keygen: {path} exists: keep it "
                           f"(peers hold its public key) or pass --force; "
