@@ -630,7 +630,6 @@ def test_requests_that_time_out_leave_no_futures(thread_cluster):
 
 
 def test_row_chunks_fit_the_shards_message_limit(thread_cluster):
-    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
 
     cluster = thread_cluster(2, 1, settings=ShardSettings(
         max_message_bytes=256 << 10, shared_memory=False))
@@ -651,7 +650,6 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
     does every later call; the shard refuses each of worker 0's heartbeats
     meanwhile, and the client keeps one error, not one per heartbeat."""
     from keras_geeps.errors import GeePSWorkerFailedError  # noqa: PLC0415
-    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
 
     cluster = thread_cluster(1, 2, settings=ShardSettings(
         worker_timeout=0.3, shared_memory=False))
@@ -677,7 +675,6 @@ def test_heartbeats_come_well_within_a_shards_worker_timeout(
     """A shard that declares workers silent for 0.6 s dead: the worker's
     default 1 s heartbeat is lowered to 0.2 s (the WELCOME says the
     timeout), so an idle worker is not taken for dead."""
-    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
 
     cluster = thread_cluster(1, 1, settings=ShardSettings(
         worker_timeout=0.6, shared_memory=False))
@@ -696,7 +693,6 @@ def test_the_replay_log_bound_lies_between_two_checkpoints_and_a_replay(
     """max_log_clocks holds at least the K clocks between two checkpoints
     and at most the max_pending_clocks + 1 a restarted shard takes in a
     replay; by default min(4 K + slack, max_pending_clocks + 1)."""
-    from keras_geeps.shard import ShardSettings  # noqa: PLC0415
 
     cluster = thread_cluster(1, 1, settings=ShardSettings(
         shared_memory=False, checkpoint_dir=str(tmp_path),
@@ -713,7 +709,6 @@ def test_the_replay_log_bound_lies_between_two_checkpoints_and_a_replay(
 def test_shards_checkpointing_at_different_intervals_are_refused(tmp_path):
     """Shards that checkpoint at different intervals (or only some) would
     hold no consistent checkpoint of the job: connecting says so."""
-    from keras_geeps.shard import ShardServer, ShardSettings  # noqa: PLC0415
 
     servers = [ShardServer("tcp://127.0.0.1:0", i, 2, 1, ShardSettings(
         shared_memory=False, checkpoint_dir=str(tmp_path / str(i)),
@@ -731,7 +726,6 @@ def test_a_shard_that_welcomed_hears_heartbeats_while_another_is_late():
     """A worker waits for every shard's WELCOME (one may still be loading a
     large checkpoint); a shard that already welcomed it gets heartbeats
     meanwhile and does not count it dead."""
-    from keras_geeps.shard import ShardServer, ShardSettings  # noqa: PLC0415
     early = ShardServer("tcp://127.0.0.1:0", 0, 2, 1, ShardSettings(
         worker_timeout=1.0, shared_memory=False)).start()
     with socket.socket() as probe:  # a free port for the late shard
