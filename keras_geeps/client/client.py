@@ -226,6 +226,7 @@ class GeePSClient:
                             worker_id=self.worker_id, curve=self._curve,
                             name=f"geeps-io-w{self.worker_id}",
                             on_turn=self._on_io_turn,
+                            on_close=self._flush_releases,
                             heartbeat_interval=heartbeat_interval)
         self._incarnation = int.from_bytes(os.urandom(6), "little")
         welcomes = self._request_all([

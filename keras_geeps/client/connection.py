@@ -117,6 +117,10 @@ class IOThread:
             that did not open), went silent, or the shard's data socket
             refused it. Later messages on it are dropped until a new
             WELCOME replaces it.
+        on_turn: called as on_turn() in this thread at every turn of its
+            loop, before the queued messages are written.
+        on_close: called as on_close() in this thread once at a close,
+            before what is queued is sent: what it queues goes too.
         worker_id: this worker's id (heartbeats carry it).
         heartbeat_interval: seconds between heartbeats; 0 sends none
             (set `heartbeat_interval` later to start them). Each shard gets
@@ -128,11 +132,12 @@ class IOThread:
 
     def __init__(self, addresses, on_rows, on_error=None, worker_id=-1,
                  heartbeat_interval=0.0, curve=None, name="geeps-io",
-                 on_turn=None, on_broken=None):
+                 on_turn=None, on_broken=None, on_close=None):
         self._addresses = list(addresses)
         self._on_broken = on_broken
         self._broken = {}  # shard -> why its link broke, told next turn
         self._on_turn = on_turn
+        self._on_close = on_close
         self._on_rows = on_rows
         self._on_error = on_error
         self._worker_id = worker_id
@@ -379,6 +384,11 @@ class IOThread:
             closing = self._stop and self.failed is None
             if closing:
                 try:
+                    # The loop may stop before a turn saw what was queued
+                    # last (released shared buffers: the shard held them
+                    # for a closed client).
+                    if self._on_close is not None:
+                        self._on_close()
                     self._send_queued(CLOSE_LINGER_S)
                 except Exception:  # closing all the same
                     log.exception("keras_geeps I/O thread: sending what "
