@@ -185,6 +185,44 @@ def test_held_updates_count_against_the_memory_limit():
         np.testing.assert_array_equal(reply.arrays[0], np.full(SHAPE, held))
 
 
+def test_a_held_update_reserves_its_clocks_rows_buffer():
+    """A held update's clock needs a rows buffer once its turn comes:
+    `_hold` checked room for it but recorded nothing, so another table
+    took that room and the buffer made later went past max_table_bytes
+    (5.0 MB held against 4.2 MB). Reserved now: the other table is
+    refused, and the limit holds when the held update goes in."""
+    rows = 1 << 18
+    a = dict(SPEC, rows=rows, row_end=rows, width=1)
+    b = dict(a, name="b", rows=int(1.4 * rows), row_end=int(1.4 * rows))
+    table_bytes = rows * 4
+    settings = ShardSettings(deterministic_sums=True, shared_memory=False,
+                             max_table_bytes=4 * table_bytes,
+                             max_message_bytes=8 * table_bytes)
+    with _shard(settings, np.zeros((rows, 1), np.float32), spec=a) as (
+            server, peers):
+        # Worker 2's one-row update waits for workers 0 and 1.
+        peers[2].send(peers[2].message(
+            MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+            arrays=[np.array([5], np.int64), np.ones((1, 1), np.float32)]))
+        reply = peers[0].ask(MsgType.CREATE, table=1, arrays=[
+            np.zeros((b["rows"], 1), np.float32)], meta=dict(b, chunk_row=0))
+        assert reply.type == MsgType.ERROR
+        assert "max_table_bytes" in reply.meta["error"]
+        held = server.snapshot_stats()["held_bytes"]
+        assert 2 * table_bytes < held <= settings.max_table_bytes
+        for p in peers[:2]:
+            assert p.ask_past_pushes(MsgType.CLOCK, table=0,
+                                     clk=0).type == MsgType.ACK
+        assert server.snapshot_stats()["held_bytes"] <= \
+            settings.max_table_bytes
+        assert peers[2].ask_past_pushes(MsgType.CLOCK, table=0,
+                                        clk=0).type == MsgType.ACK
+        reply = peers[2].ask_past_pushes(MsgType.READ, table=0, clk=1)
+        expected = np.zeros((rows, 1), np.float32)
+        expected[5] = 1
+        np.testing.assert_array_equal(reply.arrays[0], expected)
+
+
 def test_a_worker_that_dies_mid_clock_releases_the_updates_after_it():
     """Workers 1 and 2 finish clock 0 while worker 0, which sent its
     update, goes silent: their updates wait for it, and go in (in worker

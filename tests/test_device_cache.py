@@ -98,10 +98,11 @@ def test_a_clock_that_raises_keeps_its_updates_for_a_retry(thread_cluster):
     go out when the clock is tried again."""
     rows, width = 8, 4
     nbytes = rows * width * 4
-    # Room for the rows and one clock's updates: while worker 1 has not
-    # clocked, worker 0's second clock finds no memory for its update.
+    # Room for the rows and one clock's updates (with a written flag per
+    # row, and one per initial row): while worker 1 has not clocked,
+    # worker 0's second clock finds no memory for its update.
     cluster = thread_cluster(1, 2, settings=ShardSettings(
-        max_table_bytes=2 * nbytes, shared_memory=False))
+        max_table_bytes=2 * nbytes + 2 * rows, shared_memory=False))
     with cluster.client(0, timeout=20) as w0, \
             cluster.client(1, timeout=20) as w1:
         init = np.arange(rows * width, dtype=np.float32).reshape(rows, width)

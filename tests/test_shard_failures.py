@@ -442,6 +442,35 @@ def test_a_table_that_could_take_no_update_is_refused(servers):
         MsgType.ACK
 
 
+def test_written_flags_of_pending_clocks_count_against_the_limit(servers):
+    """Each pending clock keeps a written flag per row (a byte): with
+    uint8 rows of width 1 that doubles what a clock holds. They went
+    uncounted, and a worker running ahead held 1.94 times
+    max_table_bytes; now they count, and the limit holds."""
+    n = 1 << 20
+    server = servers(num_workers=2, max_table_bytes=16 * n,
+                     max_pending_clocks=64, max_message_bytes=4 * n)
+    ahead, behind = servers.peer(server, 0), servers.peer(server, 1)
+    table_spec = dict(spec(n, 1), dtype="uint8")
+    assert ahead.ask(MsgType.CREATE, table=0,
+                     arrays=[np.zeros((n, 1), np.uint8)],
+                     meta=dict(table_spec, chunk_row=0)).type == MsgType.ACK
+    assert behind.ask(MsgType.DECLARE, table=0,
+                      meta=table_spec).type == MsgType.ACK
+    for clk in range(64):  # worker 1 never clocks: every clock waits
+        ahead.send(ahead.message(MsgType.UPDATE, table=0, clk=clk,
+                                 arrays=[np.ones((n, 1), np.uint8)]))
+        reply = ahead.ask_past_pushes(MsgType.CLOCK, table=0, clk=clk)
+        if reply.type == MsgType.ERROR:
+            assert "max_table_bytes" in reply.meta["error"], reply
+            break
+    assert 4 <= clk < 16, clk
+    table = server._tables[0]
+    held = table.data.nbytes + sum(p.buffer.nbytes + p.written.nbytes
+                                   for p in table.pending.values())
+    assert held == server.snapshot_stats()["held_bytes"] <= 16 * n
+
+
 def test_a_checkpointing_shard_keeps_room_for_the_snapshot_too(
         servers, tmp_path):
     """With checkpoint_every the clock-0 snapshot copy takes a table's
@@ -691,7 +720,7 @@ def test_checkpoint_requests_are_bounded_and_copy_within_the_limit(
     peer = servers.peer(server, 0)
     _create(peer, rows, width)
     tiny = servers.peer(servers(num_workers=1, checkpoint_dir=str(
-        tmp_path / "tiny"), max_table_bytes=2 * nbytes), 0)
+        tmp_path / "tiny"), max_table_bytes=2 * nbytes + 2 * rows), 0)
     _create(tiny, rows, width)  # room for its rows and one clock only,
     tiny.send(tiny.message(MsgType.UPDATE, table=0, clk=0, arrays=[
         np.ones((rows, width), np.float32)]))  # which this clock takes

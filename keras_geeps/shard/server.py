@@ -806,12 +806,14 @@ class ShardServer:
             raise RequestError(f"table {message.table}: a row of {row_bytes}"
                                f" bytes exceeds max_message_bytes="
                                f"{self.settings.max_message_bytes}")
-        nbytes = (spec["row_end"] - spec["row_start"]) * row_bytes
+        rows = spec["row_end"] - spec["row_start"]
+        nbytes = rows * row_bytes
         # Its rows + a clock's updates (+ the snapshot a checkpointing
-        # shard takes of it at once, at clock 0).
+        # shard takes of it at once, at clock 0), and the written flags of
+        # its initial rows and of that clock's.
         copies = 3 if self.settings.checkpoint_every else 2
         snapshot = " and its snapshot" if copies == 3 else ""
-        if not self._room_for(copies * nbytes):
+        if not self._room_for(copies * nbytes + 2 * rows):
             raise RequestError(f"table {message.table} of {nbytes} bytes "
                                f"({copies} times that with a clock's "
                                f"updates{snapshot}) exceeds the shard's "
@@ -824,18 +826,24 @@ class ShardServer:
         return table
 
     def _held_bytes(self):
-        """Bytes of rows held: each table's rows, its pending clocks, lent
-        buffer, checkpoint snapshot, the pooled buffers it keeps for
-        reuse (or that sends to slow readers still use), and the updates
-        held for their turn (`ShardSettings.deterministic_sums`)."""
+        """Bytes of rows held: each table's rows, its pending clocks (with
+        their rows' written flags), lent buffer, checkpoint snapshot, the
+        pooled buffers it keeps for reuse (or that sends to slow readers
+        still use), the flags of initial rows still coming, and the
+        updates held for their turn (`ShardSettings.deterministic_sums`)
+        with the rows buffer of each clock they wait in, which `_hold`
+        reserved."""
         total = 0
         for t in self._tables.values():
-            copies = (1 + len(t.pending) + (t.lent is not None)
-                      + len(t.pool.free))
+            copies = (1 + (t.lent is not None) + len(t.pool.free))
             if t.snapshot is not None and t.snapshot[1] is not t.data:
                 copies += 1
-            total += t.nbytes * copies + sum(
+            clocks = len(t.pending) + sum(1 for clk in t.held
+                                          if clk not in t.pending)
+            total += t.nbytes * copies + t.clock_bytes * clocks + sum(
                 h.nbytes for held in t.held.values() for h in held)
+            if t.initialised is not None:
+                total += t.initialised.nbytes
         return total
 
     def _room_for(self, nbytes, table=None):
@@ -843,7 +851,9 @@ class ShardServer:
         buffers nothing reads are dropped. A buffer `table`'s pool hands
         out again costs nothing."""
         if table is not None and table.pool.has_reusable():
-            return True
+            nbytes -= table.nbytes  # (counted already, as pooled)
+            if nbytes <= 0:
+                return True
         limit = self.settings.max_table_bytes
         if self._held_bytes() + nbytes <= limit:
             return True
@@ -1034,7 +1044,7 @@ class ShardServer:
             self._hold(table, clk, update)
         else:
             if clk not in table.pending:
-                self._check_room(table, clk, table.nbytes, table)
+                self._check_room(table, clk, table.clock_bytes, table)
             pending = self._pending_for(
                 table, clk, table.base_after(table.data) if table.ready and
                 clk == table.global_clock else None)
@@ -1088,7 +1098,7 @@ class ShardServer:
         yet)."""
         fresh = clk not in table.pending and clk not in table.held
         self._check_room(table, clk,
-                         held.nbytes + (table.nbytes if fresh else 0))
+                         held.nbytes + (table.clock_bytes if fresh else 0))
         table.held.setdefault(clk, []).append(held)
         self.stats["updates_held"] += 1
 
@@ -1156,7 +1166,7 @@ class ShardServer:
                                                          worker):
             return table.lent[3]
         self._end_lend(table)
-        if not self._room_for(table.nbytes, table):
+        if not self._room_for(table.clock_bytes, table):
             return None  # the update will come as usual, within the limit
         rows = table.pool.get()
         shared = self._shared_buffer(table, rows)

@@ -14,8 +14,10 @@ class ShardSettings:
         max_message_bytes: largest message accepted. Defaults to 1 GiB.
         max_tables: most tables the shard will hold. Defaults to 4096.
         max_table_bytes: most bytes of rows (all tables) the shard will
-            hold: rows, pending clocks, lent and snapshot buffers, and
-            pooled buffers still being sent. Defaults to 16 GiB.
+            hold: rows, pending clocks (and their rows' written flags),
+            lent and snapshot buffers, pooled buffers still being sent,
+            and held updates (deterministic_sums) with their clock's rows
+            buffer. Defaults to 16 GiB.
         max_pending_clocks: how far ahead of the global clock a worker's
             update or clock may be (bounds SSP buffers, and the clocks one
             advance covers). Defaults to 64.

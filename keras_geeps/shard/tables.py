@@ -48,6 +48,12 @@ class Table:
     def nbytes(self):
         return self.data.nbytes
 
+    @property
+    def clock_bytes(self):
+        """What one more clock of updates holds: its rows buffer and its
+        rows' written flags (`Pending.written`)."""
+        return self.data.nbytes + self.local_rows
+
     def base_after(self, data):
         """The rows the clock after rows `data` starts from, before its
         updates: `data` itself, or zeros for a per-clock table (see
