@@ -18,11 +18,13 @@ from keras_geeps.shard.sessions import SeqTracker
 class RawPeer:
     """A bare DEALER socket speaking the protocol by hand."""
 
-    def __init__(self, address, worker=0):
+    def __init__(self, address, worker=0, options=()):
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVTIMEO, 5000)
+        for option, value in options:  # (before the connection is made)
+            self.socket.setsockopt(option, value)
         self.socket.connect(address)
         self.worker = worker
         self.seq = 0

@@ -1,6 +1,7 @@
 """A shard under misuse and failures: refused requests, early clocks,
 restarted and dead workers, memory and message limits."""
 
+import gc
 import threading
 import time
 
@@ -425,6 +426,53 @@ def test_pooled_buffers_of_a_slow_reader_count_against_the_limit(servers):
         assert server.snapshot_stats()["held_bytes"] <= 8 * table_bytes
     finally:
         slow.close()
+
+
+def _rss_bytes():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_replies_a_peer_never_reads_are_not_copies_of_the_rows(servers):
+    """A peer that sends READs and reads nothing (its ZeroMQ stops taking
+    from TCP) makes the shard queue the replies. Rows under 64 KiB were
+    copied into that queue, outside max_table_bytes: 3000 READs of a
+    64 KB table took 190 MB. Rows now go zero-copy (the table's own,
+    counted buffer): what stays is bookkeeping, a few KB a reply."""
+    rows = 16_000  # 64,000 bytes: below pyzmq's copy threshold
+    server = servers(num_workers=2, max_table_bytes=1 << 20)
+    table_spec = spec(rows, 1)
+    creator = servers.peer(server, 0)
+    _create(creator, rows, 1, value=1.0)
+    deaf = RawPeer(server.address, 1, options=[(zmq.RCVHWM, 1),
+                                               (zmq.RCVBUF, 4096)])
+    try:
+        assert deaf.ask(MsgType.HELLO, meta={
+            "incarnation": 1}).type == MsgType.WELCOME
+        assert deaf.ask(MsgType.DECLARE, table=0,
+                        meta=table_spec).type == MsgType.ACK
+        gc.collect()
+        before = _rss_bytes()
+        reads = 3000
+        for _ in range(reads):
+            deaf.send(deaf.message(MsgType.READ, table=0, clk=0))
+        deadline = time.monotonic() + 60
+        while server.snapshot_stats()["messages_in"] < reads + 4 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = server.snapshot_stats()
+        assert stats["bytes_out"] > reads * rows * 4  # all answered
+        grown = _rss_bytes() - before
+        assert grown < reads * rows * 4 // 4, grown
+        assert stats["held_bytes"] <= 1 << 20
+        # The creator is served all the while.
+        reply = creator.ask(MsgType.READ, table=0, clk=0)
+        np.testing.assert_array_equal(reply.arrays[0], 1.0)
+    finally:
+        deaf.close()
 
 
 def test_a_table_that_could_take_no_update_is_refused(servers):

@@ -174,6 +174,8 @@ class ShardServer:
             self._socket, self.address = self._bind_router(
                 bind, self._auth.apply if self._auth else None,
                 handover=True)
+            # `_send_to` says which frames are copied, whatever their size.
+            self._socket.copy_threshold = 0
             if curve is not None:
                 self._data = self._open_data_socket(
                     data_bind or self.address.rsplit(":", 1)[0] + ":0")
@@ -488,13 +490,37 @@ class ShardServer:
             queued = session.sender.send(frames)
             self.stats["sealed_held_back"] += not queued.done
             return queued if track else None
-        return self._send_to(self._socket, [identity] + frames, track)
+        return self._send_to(self._socket, [identity] + frames, track,
+                             rows_reply=message.type == MsgType.ROWS)
 
-    def _send_to(self, sock, frames, track):
-        """Sends routed `frames` on `sock` without copying; their tracker
-        with `track`, else None, and None when the peer is gone."""
+    def _send_to(self, sock, frames, track, rows_reply=False):
+        """Sends routed `frames` on `sock`; their tracker with `track`,
+        else None, and None when the peer is gone.
+
+        On the plain socket the routing id and header are copied, and so
+        are rows under zmq.COPY_THRESHOLD, except in a reply to a READ
+        (`rows_reply`): those go zero-copy whatever their size, so that
+        rows queued for a peer that sends READs and reads nothing are the
+        table's own buffers, which max_table_bytes counts (pooled until
+        sent), not copies outside it (3000 READs of a 64 KB table took
+        190 MB). The data socket's frames are `seal.Sender`'s, which
+        tracks the large ones it reuses; the rest are copied.
+        """
         try:
-            return sock.send_multipart(frames, copy=False, track=track)
+            if sock is not self._socket:
+                return sock.send_multipart(frames, copy=False, track=track)
+            trackers = []
+            last = len(frames) - 1
+            for i, frame in enumerate(frames):
+                more = zmq.SNDMORE if i < last else 0
+                if isinstance(frame, bytes) or not rows_reply and \
+                        frame.nbytes < zmq.COPY_THRESHOLD:
+                    sock.send(frame, more)
+                else:
+                    trackers.append(sock.send(frame, more, copy=False,
+                                              track=True))
+            return zmq.MessageTracker(*trackers) if track and trackers \
+                else None
         except zmq.ZMQError as exc:  # peer gone: nothing to deliver to
             log.warning("shard %d: send failed: %s", self.shard_id, exc)
             return None
