@@ -17,6 +17,7 @@ from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import GeePSError, GeePSTimeoutError
 from keras_geeps.protocol import Message, MsgType
 from keras_geeps.shard import ShardServer, ShardSettings
+from tests.reliability.restarts import wait_for_checkpoint
 from tests.worker_threads import run_clients
 
 
@@ -652,7 +653,7 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
     from keras_geeps.errors import GeePSWorkerFailedError  # noqa: PLC0415
 
     cluster = thread_cluster(1, 2, settings=ShardSettings(
-        worker_timeout=0.3, shared_memory=False))
+        worker_timeout=1.0, shared_memory=False))
     survivor = cluster.client(0, timeout=20, heartbeat_interval=0.05)
     doomed = cluster.client(1, timeout=20, heartbeat_interval=0.05)
     table = survivor.create_table("t", 4, 4)
@@ -809,7 +810,8 @@ def test_a_clock_that_times_out_clocks_no_table(tmp_path):
             a = client.create_table("a", 2, 2)
             b = client.create_table("b", 2, 2)
             assert [a.parts[0][0], b.parts[0][0]] == [0, 1]
-            time.sleep(0.5)  # the tables' first checkpoints
+            for table in (a, b):  # their first checkpoints
+                wait_for_checkpoint(client, table, 0)
             folders[1].rename(tmp_path / "away")
             folders[1].write_bytes(b"")
             with pytest.raises(GeePSTimeoutError, match="table 'b'"):

@@ -343,6 +343,35 @@ def test_tables_created_after_a_death_do_not_wait_for_the_dead(servers):
     np.testing.assert_array_equal(reply.arrays[0], np.ones((4, 3)))
 
 
+def test_a_paused_shard_reads_what_came_before_it_declares_deaths(
+        servers, monkeypatch):
+    """A shard paused past worker_timeout (a garbage collection, a long
+    request, a stopped process) looked at its workers' silence before it
+    read the heartbeats that came meanwhile, and declared a live worker
+    dead; it reads them first now."""
+    server = servers(num_workers=1, worker_timeout=0.5)
+    live = servers.peer(server, 0)
+    real_drain = type(server)._drain
+    pauses = []
+
+    def drain_then_pause(self, sock, dispatch):
+        emptied = real_drain(self, sock, dispatch)
+        if not pauses and self._last_seen:  # once, past the HELLO
+            pauses.append(time.monotonic())
+            time.sleep(1.2)  # the next turn's housekeeping comes first
+        return emptied
+
+    monkeypatch.setattr(type(server), "_drain", drain_then_pause)
+    deadline = time.monotonic() + 5
+    while not pauses or time.monotonic() < pauses[0] + 1.8:
+        live.send(live.message(MsgType.HEARTBEAT))
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    stats = server.snapshot_stats()
+    assert stats["dead_workers"] == [] and stats["failed"] is None, stats
+    assert not [m for m in live.drain(100) if m.type == MsgType.ERROR]
+
+
 def test_a_stalled_worker_declared_dead_is_told_so(servers):
     """A worker that stalls past worker_timeout with its connection up (a
     paused process) is declared dead (continue mode): it is told at once,
@@ -385,7 +414,7 @@ def test_a_stalled_worker_declared_dead_is_told_so(servers):
 def test_a_worker_that_never_connects_is_declared_dead(servers,
                                                        monkeypatch):
     monkeypatch.setattr(shard_module, "STARTUP_GRACE_S", 0.5)
-    server = servers(num_workers=2, worker_timeout=0.3)
+    server = servers(num_workers=2, worker_timeout=1.0)
     live = servers.peer(server, 0)  # worker 1 never says HELLO
     _create(live, 4, 3)
     live.send(live.message(MsgType.CLOCK, table=0, clk=0))

@@ -139,6 +139,7 @@ class ShardServer:
         self._dead = set()        # workers declared dead
         self._left = set()        # workers that closed their client (LEAVE)
         self._started = None      # first HELLO or restore: liveness watch
+        self._served = []         # (socket, dispatch) the loop serves
         self._restored_at = None  # a restore of a job under way: its time
         self._failed = None       # the error every request gets ("stop")
         # Writes the checkpoints, when there is a checkpoint_dir.
@@ -215,7 +216,7 @@ class ShardServer:
     def serve_forever(self):
         """Serves requests until `stop`, a STOP request or a signal."""
         poller = zmq.Poller()
-        sockets = [(self._socket, self._dispatch)]
+        sockets = self._served = [(self._socket, self._dispatch)]
         if self._data is not None:
             sockets.append((self._data, self._dispatch_sealed))
         for sock, _ in sockets:
@@ -319,11 +320,13 @@ class ShardServer:
 
     # ---------------------------------------------------------- dispatch
     def _drain(self, sock, dispatch):
-        for _ in range(256):  # bounded, then housekeeping
+        """Serves what `sock` holds, 256 messages at most (then
+        housekeeping); whether it held no more."""
+        for _ in range(256):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             self.stats["messages_in"] += 1
             self.stats["bytes_in"] += sum(len(f) for f in frames)
             if len(frames) < 2:
@@ -333,7 +336,8 @@ class ShardServer:
                 continue
             dispatch(frames)
             if self._stop.is_set():
-                return
+                return True
+        return False
 
     def _dispatch(self, frames):
         """A message from the main socket (over CURVE when keys are set)."""
@@ -1426,6 +1430,16 @@ class ShardServer:
         if not timeout or self._started is None:
             return
         now = time.monotonic()
+        grace = max(timeout, STARTUP_GRACE_S)
+        if any(now - self._last_seen[w] > timeout if w in self._last_seen
+               else now - self._started > grace
+               for w in range(self.num_workers)
+               if w not in self._dead and w not in self._left):
+            # What came while this shard was busy or paused (a long
+            # request, a garbage collection, a stopped process) is read
+            # first: a heartbeat waiting in its queue is no silence.
+            self._catch_up(deadline=now + timeout)
+            now = time.monotonic()
         for worker in range(self.num_workers):
             if self._failed is not None:
                 return
@@ -1439,12 +1453,20 @@ class ShardServer:
                     f"worker {worker} sent nothing{since} for "
                     f"{now - seen:.1f} s (worker_timeout={timeout:g} s): it "
                     f"died or hangs"))
-            elif seen is None and now - self._started > max(
-                    timeout, STARTUP_GRACE_S):
+            elif seen is None and now - self._started > grace:
                 self._worker_died(worker, (
                     f"worker {worker} never connected, "
                     f"{now - self._started:.0f} s after the job's start "
                     f"(or this shard's restore)"))
+
+    def _catch_up(self, deadline):
+        """Serves what the sockets hold, until they hold nothing or
+        `deadline` (time.monotonic()) passes."""
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            emptied = [self._drain(sock, dispatch)
+                       for sock, dispatch in self._served]
+            if all(emptied):
+                return
 
     def _restore(self):
         if self._writer is not None:
