@@ -1,12 +1,14 @@
 """`CheckpointWriter` on a real disk: answers, backoff, who left."""
 
 import os
-import time
+import shutil
+import types
 
 import numpy as np
 import pytest
 
 from keras_geeps import checkpoint
+from keras_geeps.shard import writer as writer_module
 from keras_geeps.shard.settings import RequestError
 from keras_geeps.shard.writer import (MAX_CHECKPOINT_REQUESTS,
                                       CheckpointWriter, Written)
@@ -38,7 +40,11 @@ def test_a_write_answers_the_requests_queued_before_it_only(tmp_path):
     assert tables[0][1] == 5
 
 
-def test_a_failed_write_refuses_its_requests_and_backs_off(tmp_path):
+def test_a_failed_write_refuses_its_requests_and_backs_off(tmp_path,
+                                                           monkeypatch):
+    now = [1000.0]  # the writer's clock, moved by hand
+    monkeypatch.setattr(writer_module, "time",
+                        types.SimpleNamespace(monotonic=lambda: now[0]))
     blocker = tmp_path / "a-file"
     blocker.write_bytes(b"")
     writer = CheckpointWriter(str(blocker / "ckpt"), 0, 1, 1)
@@ -47,19 +53,30 @@ def test_a_failed_write_refuses_its_requests_and_backs_off(tmp_path):
     assert _finish(writer) == Written({}, False, [(b"w0", 1)])
     assert writer.left_written == frozenset()  # not on disk
     assert not writer.due()  # 1 s, then 2, 4 ... 60
-    time.sleep(1.1)
+    now[0] += 0.9
+    assert not writer.due()
+    now[0] += 0.2
     assert writer.due()
     writer.start({}, left=())
     assert not _finish(writer).ok
-    time.sleep(1.1)
+    now[0] += 1.9
     assert not writer.due()
     blocker.unlink()  # the disk is fine again
-    time.sleep(1.0)
+    now[0] += 0.2
     assert writer.due()
     writer.start({}, left={0})
     assert _finish(writer).ok
     assert writer.due()  # no backoff after a success
     assert writer.left_written == frozenset({0})
+    shutil.rmtree(blocker)
+    blocker.write_bytes(b"")  # failing again: from 1 s
+    for backoff in (1, 2, 4, 8, 16, 32, 60, 60):
+        writer.start({}, left=())
+        assert not _finish(writer).ok
+        now[0] += backoff - 0.1
+        assert not writer.due(), backoff
+        now[0] += 0.2
+        assert writer.due(), backoff
 
 
 def test_requests_beyond_the_bound_are_refused(tmp_path):

@@ -5,6 +5,7 @@ import contextlib
 import itertools
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -366,15 +367,19 @@ def test_a_closed_sender_drops_what_waits(pair):
         assert sender.pump()
 
 
-def test_a_stalled_reader_is_looked_at_less_often(pair):
+def test_a_stalled_reader_is_looked_at_less_often(pair, monkeypatch):
     worker, _ = pair
+    now = [1000.0]  # seal's clock, moved by hand (no stall can move it)
+    monkeypatch.setattr(seal, "time", types.SimpleNamespace(
+        monotonic=lambda: now[0], sleep=time.sleep))
     with _inproc_sender(worker, in_flight=1) as (sender, _):
         assert seal.pump_all([sender]) is None  # nothing waits
         rows = np.zeros(1 << 16, np.float32)
         for _ in range(3):
             sender.send([b"h", rows])
+        now[0] += seal.STALLED_S * 0.5
         assert seal.pump_all([sender]) == seal.PACE_S
-        time.sleep(seal.STALLED_S * 1.5)  # nobody reads: nothing moves
+        now[0] += seal.STALLED_S * 1.5  # nobody reads: nothing moves
         assert seal.pump_all([sender]) == seal.STALLED_PACE_S
         sender.close()
         assert seal.pump_all([sender]) is None

@@ -1470,8 +1470,10 @@ class GeePSClient:
             asked[shard] = Future()
             self._send(shard, Message(MsgType.STATS), asked[shard])
         # All at once, and briefly: a live shard answers in milliseconds,
-        # and the wait that timed out must not last twice its timeout.
-        deadline = time.monotonic() + min(2.0, max(0.2, 0.2 * self.timeout))
+        # and the wait that timed out must not last twice its timeout; at
+        # least 0.5 s, though (a busy or collecting shard answers late,
+        # and is then named dead).
+        deadline = time.monotonic() + min(2.0, max(0.5, 0.2 * self.timeout))
         for shard, future in asked.items():
             address = self.cluster.shards[shard]
             answered = future.event.wait(max(0.0,
