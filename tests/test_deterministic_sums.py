@@ -193,7 +193,9 @@ def test_a_held_update_reserves_its_clocks_rows_buffer():
     refused, and the limit holds when the held update goes in."""
     rows = 1 << 18
     a = dict(SPEC, rows=rows, row_end=rows, width=1)
-    b = dict(a, name="b", rows=int(1.4 * rows), row_end=int(1.4 * rows))
+    # B (2 x 1 MB, with flags 2.5 MB) fits in the 3 MiB table A leaves,
+    # not in the 1.75 MiB it leaves with its clock's reserved buffer.
+    b = dict(a, name="b", rows=250_000, row_end=250_000)
     table_bytes = rows * 4
     settings = ShardSettings(deterministic_sums=True, shared_memory=False,
                              max_table_bytes=4 * table_bytes,
@@ -204,6 +206,8 @@ def test_a_held_update_reserves_its_clocks_rows_buffer():
         peers[2].send(peers[2].message(
             MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
             arrays=[np.array([5], np.int64), np.ones((1, 1), np.float32)]))
+        assert peers[2].ask_past_pushes(MsgType.STATS).type == \
+            MsgType.STATS_REPLY  # (so the update was handled first)
         reply = peers[0].ask(MsgType.CREATE, table=1, arrays=[
             np.zeros((b["rows"], 1), np.float32)], meta=dict(b, chunk_row=0))
         assert reply.type == MsgType.ERROR
