@@ -43,6 +43,10 @@ BIND_RETRY_S = 5.0
 MAX_BURIED = 1024
 
 DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
+# Replies to READs one worker may have that ZeroMQ has not sent yet (it
+# reads none of them); its further READs are refused until it does.
+# (Clients get their rows by PUSH, and send no READ.)
+MAX_UNSENT_READS = 64
 
 # The refusals of an UPDATE or CLOCK that is not of the worker's current
 # clock (`ShardServer._check_clock`).
@@ -135,6 +139,7 @@ class ShardServer:
         self._existing = {}
         self._parked = []         # (identity, Message) reads waiting
         self._trackers = {}       # id(rows buffer) -> sends still using it
+        self._unsent_reads = {}   # worker -> [[tracker]] of READ replies
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
         self._left = set()        # workers that closed their client (LEAVE)
@@ -975,8 +980,20 @@ class ShardServer:
                 or table.global_clock < message.clk:
             self._park(identity, message)
             return
-        self._send_rows(table, [identity], MsgType.ROWS, message.seq,
-                        table.data)
+        worker = message.worker
+        unsent = [sends for sends in self._unsent_reads.get(worker, ())
+                  if not all(t.done for t in sends)]
+        if len(unsent) >= MAX_UNSENT_READS:
+            self._unsent_reads[worker] = unsent
+            raise RequestError(
+                f"{len(unsent)} replies to worker {worker}'s reads are not "
+                f"sent yet (it reads none of them): refusing read of table "
+                f"{message.table}")
+        sends = self._send_rows(table, [identity], MsgType.ROWS,
+                                message.seq, table.data)
+        if sends:
+            unsent.append(sends)
+        self._unsent_reads[worker] = unsent
 
     def _park(self, identity, message):
         """Keeps a read until its rows are fresh enough: at most
