@@ -382,13 +382,16 @@ class IOThread:
             # queues, went with the sockets and the other workers waited
             # for them until their timeout.
             closing = self._stop and self.failed is None
+            if closing and self._on_close is not None:
+                # The loop may stop before a turn saw what was queued last
+                # (released shared buffers: the shard held them for a
+                # closed client).
+                try:
+                    self._on_close()
+                except Exception:  # what was queued goes all the same
+                    log.exception("keras_geeps I/O thread: on_close failed")
             if closing:
                 try:
-                    # The loop may stop before a turn saw what was queued
-                    # last (released shared buffers: the shard held them
-                    # for a closed client).
-                    if self._on_close is not None:
-                        self._on_close()
                     self._send_queued(CLOSE_LINGER_S)
                 except Exception:  # closing all the same
                     log.exception("keras_geeps I/O thread: sending what "
