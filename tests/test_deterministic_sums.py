@@ -227,6 +227,36 @@ def test_a_held_update_reserves_its_clocks_rows_buffer():
         np.testing.assert_array_equal(reply.arrays[0], expected)
 
 
+def test_an_update_in_turn_uses_the_buffer_held_updates_reserved():
+    """Worker 1's held update reserved clock 0's rows buffer; worker 0's
+    update of that clock, in turn, goes into that buffer: it was charged
+    a second one, and refused at a limit it fits in."""
+    rows = 1 << 16
+    table_bytes = rows * 4
+    spec = dict(SPEC, rows=rows, row_end=rows, width=1)
+    settings = ShardSettings(
+        deterministic_sums=True, shared_memory=False,
+        max_table_bytes=2 * table_bytes + 2 * rows + 1024,
+        max_message_bytes=4 * table_bytes)
+    with _shard(settings, np.zeros((rows, 1), np.float32), workers=2,
+                spec=spec) as (server, peers):
+        for worker, row in ((1, 5), (0, 7)):  # worker 1's waits for 0's
+            peers[worker].send(peers[worker].message(
+                MsgType.UPDATE, table=0, clk=0, meta={"indexed": True},
+                arrays=[np.array([row], np.int64),
+                        np.ones((1, 1), np.float32)]))
+            assert peers[worker].ask_past_pushes(MsgType.STATS).type == \
+                MsgType.STATS_REPLY
+        for p in peers:
+            reply = p.ask_past_pushes(MsgType.CLOCK, table=0, clk=0)
+            assert reply.type == MsgType.ACK, reply
+        assert server.snapshot_stats()["errors"] == 0
+        reply = peers[0].ask_past_pushes(MsgType.READ, table=0, clk=1)
+        expected = np.zeros((rows, 1), np.float32)
+        expected[[5, 7]] = 1
+        np.testing.assert_array_equal(reply.arrays[0], expected)
+
+
 def test_a_worker_that_dies_mid_clock_releases_the_updates_after_it():
     """Workers 1 and 2 finish clock 0 while worker 0, which sent its
     update, goes silent: their updates wait for it, and go in (in worker

@@ -564,6 +564,30 @@ def test_written_flags_of_pending_clocks_count_against_the_limit(servers):
     assert held == server.snapshot_stats()["held_bytes"] <= 16 * n
 
 
+def test_a_pooled_buffer_dropped_to_make_room_is_not_counted_as_reused():
+    """A table at the limit with a reusable pooled buffer: an update was
+    charged only its flags (the buffer counted already), then the pool
+    was shrunk to make room, dropping that very buffer, and the update
+    went into a new one, past the limit."""
+    rows = 1 << 16  # uint8 of width 1: the flags weigh what the rows do
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
+        shared_memory=False, max_table_bytes=2 * rows))  # (not started)
+    try:
+        table = server._new_table(0, dict(spec(rows, 1), dtype="uint8"))
+        server._tables[0] = table
+        table.ready, table.initialised = True, None
+        table.pool.put(np.empty((rows, 1), np.uint8))  # retired rows
+        assert server._held_bytes() == 2 * rows
+        with pytest.raises(shard_module.RequestError, match="no memory"):
+            server._update(b"peer", protocol.Message(
+                MsgType.UPDATE, table=0, clk=0, worker=0,
+                arrays=[np.ones((rows, 1), np.uint8)],
+                meta={"chunk_row": 0}))
+        assert server._held_bytes() <= 2 * rows and not table.pending
+    finally:
+        server._close()
+
+
 def test_a_checkpointing_shard_keeps_room_for_the_snapshot_too(
         servers, tmp_path):
     """With checkpoint_every the clock-0 snapshot copy takes a table's

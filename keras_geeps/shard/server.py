@@ -770,7 +770,9 @@ class ShardServer:
         return table.pool.shared.get(id(array)) if table.pool else None
 
     def _forget_shm(self, worker):
-        """A new or dead worker process holds none of our buffers."""
+        """A new or dead worker process holds none of our buffers (and
+        what was sent to an earlier one counts against no READ of it)."""
+        self._unsent_reads.pop(worker, None)
         for table in self._tables.values():
             if table.lent is not None and table.lent[1] == worker:
                 # Never reused: a hung old process may still write into it.
@@ -861,8 +863,8 @@ class ShardServer:
         return table
 
     def _held_bytes(self):
-        """Bytes of rows held: each table's rows, its pending clocks (with
-        their rows' written flags), lent buffer, checkpoint snapshot, the
+        """Bytes of rows held: each table's rows, its pending clocks and
+        lent buffer (with their rows' written flags), checkpoint snapshot, the
         pooled buffers it keeps for reuse (or that sends to slow readers
         still use), the flags of initial rows still coming, and the
         updates held for their turn (`ShardSettings.deterministic_sums`)
@@ -870,11 +872,12 @@ class ShardServer:
         reserved."""
         total = 0
         for t in self._tables.values():
-            copies = (1 + (t.lent is not None) + len(t.pool.free))
+            copies = 1 + len(t.pool.free)
             if t.snapshot is not None and t.snapshot[1] is not t.data:
                 copies += 1
-            clocks = len(t.pending) + sum(1 for clk in t.held
-                                          if clk not in t.pending)
+            # (a lent buffer becomes a pending clock: `_adopt_lent`)
+            clocks = len(t.pending) + (t.lent is not None) + sum(
+                1 for clk in t.held if clk not in t.pending)
             total += t.nbytes * copies + t.clock_bytes * clocks + sum(
                 h.nbytes for held in t.held.values() for h in held)
             if t.initialised is not None:
@@ -885,16 +888,17 @@ class ShardServer:
         """Whether `nbytes` more fit within max_table_bytes, once pooled
         buffers nothing reads are dropped. A buffer `table`'s pool hands
         out again costs nothing."""
-        if table is not None and table.pool.has_reusable():
-            nbytes -= table.nbytes  # (counted already, as pooled)
-            if nbytes <= 0:
-                return True
         limit = self.settings.max_table_bytes
-        if self._held_bytes() + nbytes <= limit:
+        reuse = table is not None and table.pool.has_reusable()
+        # A buffer the pool hands out again is counted already (pooled).
+        need = nbytes - table.nbytes if reuse else nbytes
+        if need <= 0 or self._held_bytes() + need <= limit:
             return True
         for t in self._tables.values():
             t.pool.shrink()
-        return self._held_bytes() + nbytes <= limit
+        if reuse and not table.pool.has_reusable():  # it was dropped too
+            need = nbytes
+        return self._held_bytes() + need <= limit
 
     def _note_reader(self, message):
         if message.meta.get("shm") and message.worker in self._shm_writers:
@@ -1090,7 +1094,8 @@ class ShardServer:
             update.arrays = self._rows_to_hold(update.arrays)
             self._hold(table, clk, update)
         else:
-            if clk not in table.pending:
+            if clk not in table.pending and clk not in table.held:
+                # (held updates of the clock reserved its buffer: `_hold`)
                 self._check_room(table, clk, table.clock_bytes, table)
             pending = self._pending_for(
                 table, clk, table.base_after(table.data) if table.ready and
