@@ -1,0 +1,122 @@
+"""What a peer that sends READs and never reads its socket costs a shard.
+
+A shard queues its replies for such a peer (its ZeroMQ stops taking from
+TCP): this script starts a shard process, creates a 64 KB table (under
+pyzmq's 64 KiB copy threshold, where frames used to be copied into the
+queue) and sends READs from a DEALER whose receive side is throttled to
+one message and a 4 KiB socket buffer, reading nothing. It reports how
+much the shard process grew, against what copies of every reply would
+take (the baseline: 190 MB for 3000 READs before replies went zero-copy
+and unsent ones were bounded), how many READs got rows and how many were
+refused (`MAX_UNSENT_READS`).
+
+Example:
+
+    .venv/bin/python benchmarks/unread_replies.py --reads 3000
+
+The last line is JSON: `reads`, `answered`, `refused`, `rss_growth_bytes`,
+`copies_bytes` (reads x table bytes) and `growth_vs_copies`.
+"""
+
+import argparse
+import json
+import time
+
+import numpy as np
+import zmq
+
+from keras_geeps import protocol
+from keras_geeps.launch import LocalCluster
+from keras_geeps.protocol import Message, MsgType
+
+ROWS = 16_000  # float32, width 1: 64,000 bytes
+
+
+def _rss_bytes(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+class _Peer:
+    """A bare DEALER speaking the protocol as worker `worker`."""
+
+    def __init__(self, context, address, worker, deaf=False):
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.RCVTIMEO, 10_000)
+        if deaf:  # its ZeroMQ soon stops taking from TCP
+            self.socket.setsockopt(zmq.RCVHWM, 1)
+            self.socket.setsockopt(zmq.RCVBUF, 4096)
+        self.socket.connect(address)
+        self.worker, self.seq = worker, 0
+
+    def send(self, kind, **kwargs):
+        self.seq += 1
+        self.socket.send_multipart(protocol.encode(Message(
+            kind, worker=self.worker, seq=self.seq, **kwargs)))
+        return self.seq
+
+    def ask(self, kind, **kwargs):
+        seq = self.send(kind, **kwargs)
+        while True:
+            reply = protocol.decode(self.socket.recv_multipart())
+            if reply.seq == seq and reply.type != MsgType.PUSH:
+                return reply
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reads", type=int, default=3000)
+    args = parser.parse_args()
+    cluster = LocalCluster(1, 2, processes=True, shard_args=[
+        "--max-table-bytes", str(1 << 20)])
+    context = zmq.Context()
+    try:
+        address = cluster.spec(0).shards[0]
+        pid = cluster.shards[0].process.pid
+        spec = {"name": "t", "rows": ROWS, "width": 1, "dtype": "float32",
+                "row_start": 0, "row_end": ROWS}
+        creator = _Peer(context, address, 0)
+        deaf = _Peer(context, address, 1, deaf=True)
+        for peer in (creator, deaf):
+            assert peer.ask(MsgType.HELLO, meta={
+                "incarnation": 1}).type == MsgType.WELCOME
+        assert creator.ask(MsgType.CREATE, table=0, arrays=[
+            np.ones((ROWS, 1), np.float32)], meta=dict(
+                spec, chunk_row=0)).type == MsgType.ACK
+        assert deaf.ask(MsgType.DECLARE, table=0,
+                        meta=spec).type == MsgType.ACK
+        time.sleep(0.5)
+        before = _rss_bytes(pid)
+        for _ in range(args.reads):
+            deaf.send(MsgType.READ, table=0, clk=0)
+        # Until the shard has taken every READ (its message count).
+        deadline = time.monotonic() + 120
+        while True:
+            stats = protocol.stats_of(creator.ask(MsgType.STATS))
+            if stats["messages_in"] >= args.reads + 5 or \
+                    time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        grown = _rss_bytes(pid) - before
+        refused = stats["errors"]
+        copies = args.reads * ROWS * 4
+        print(f"{args.reads} READs, none read: {args.reads - refused} "
+              f"answered, {refused} refused; shard grew {grown / 1e6:.1f} "
+              f"MB (copies of every reply: {copies / 1e6:.0f} MB)")
+        print(json.dumps({
+            "reads": args.reads, "answered": args.reads - refused,
+            "refused": refused, "rss_growth_bytes": grown,
+            "copies_bytes": copies,
+            "growth_vs_copies": round(grown / copies, 4)}))
+    finally:
+        context.destroy(linger=0)
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
