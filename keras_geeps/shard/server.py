@@ -1449,7 +1449,7 @@ class ShardServer:
         HELLO (or of the restore of a job that had not passed clock 0).
         Workers that left (LEAVE) are not watched."""
         timeout = self.settings.worker_timeout
-        if not timeout or self._started is None:
+        if not timeout or self._started is None or self._failed is not None:
             return
         now = time.monotonic()
         grace = max(timeout, STARTUP_GRACE_S)
