@@ -193,7 +193,10 @@ def _cmd_keygen(args):
 
 def _cmd_build_ops(args):
     from keras_geeps import _build  # noqa: PLC0415
-    return _build.main(args.rest)
+    argv = ["--force"] if args.force else []
+    if args.cuda is not None:
+        argv.append("--cuda" if args.cuda else "--no-cuda")
+    return _build.main(argv)
 
 
 def build_parser():
@@ -288,7 +291,15 @@ def build_parser():
     keygen.set_defaults(func=_cmd_keygen)
 
     build = sub.add_parser("build-ops", help="build the custom TF ops now")
-    build.add_argument("rest", nargs=argparse.REMAINDER)
+    # (its flags were once taken as a REMAINDER, which takes nothing that
+    # starts with "-": `build-ops --no-cuda` was refused)
+    build.add_argument("--force", action="store_true",
+                       help="rebuild even if a matching library is cached")
+    kernels = build.add_mutually_exclusive_group()
+    kernels.add_argument("--cuda", dest="cuda", action="store_true",
+                         default=None, help="require the CUDA kernels")
+    kernels.add_argument("--no-cuda", dest="cuda", action="store_false",
+                         help="build the CPU kernels only")
     build.set_defaults(func=_cmd_build_ops)
     return parser
 

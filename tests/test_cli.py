@@ -519,3 +519,20 @@ def test_keygen_refuses_before_writing_any_pair(tmp_path, capsys):
     assert main(["keygen", str(keys), "a", "a"]) == 2
     assert "a name given twice" in capsys.readouterr().err
     assert sorted(os.listdir(keys)) == ["w1.key", "w1.key_secret"]
+
+
+def test_build_ops_takes_its_flags():
+    """`build-ops` took its arguments as a REMAINDER, which takes nothing
+    that starts with "-": `build-ops --no-cuda` was refused as an
+    unrecognized argument. The flags the README gives now work."""
+    first = _cli("build-ops", timeout=600)  # (cached: seconds)
+    assert first.returncode == 0, first.stderr
+    kind = "--cuda" if "CUDA" in first.stdout else "--no-cuda"
+    again = _cli("build-ops", kind, timeout=600)  # the same library
+    assert again.returncode == 0, again.stderr
+    library = first.stdout.strip().splitlines()[-1]
+    assert again.stdout.strip().splitlines()[-1] == library
+    both = _cli("build-ops", "--cuda", "--no-cuda")
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+    usage = _cli("build-ops", "--help").stdout
+    assert "[--force] [--cuda | --no-cuda]" in usage
