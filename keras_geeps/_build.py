@@ -376,11 +376,10 @@ def build_info(library_path):
         return {}
 
 
-def main(argv=None):
-    """`python -m keras_geeps._build`: build the ops now, print the path."""
-    parser = argparse.ArgumentParser(
-        prog="python -m keras_geeps._build",
-        description="Build the keras_geeps custom TensorFlow ops.")
+def add_arguments(parser):
+    """Adds the build's flags (`--force`, `--cuda` / `--no-cuda`) to an
+    argparse parser: `python -m keras_geeps._build`'s, and
+    `keras-geeps build-ops`'."""
     parser.add_argument("--force", action="store_true",
                         help="rebuild even if a matching library is cached")
     group = parser.add_mutually_exclusive_group()
@@ -388,7 +387,21 @@ def main(argv=None):
                        default=None, help="require the CUDA kernels")
     group.add_argument("--no-cuda", dest="cuda", action="store_false",
                        help="build the CPU kernels only")
-    args = parser.parse_args(argv)
+
+
+def main(argv=None, args=None):
+    """`python -m keras_geeps._build`: build the ops now, print the path.
+
+    Args:
+        argv: the command line's arguments (default: sys.argv[1:]).
+        args: arguments parsed already (`add_arguments`), instead.
+    """
+    if args is None:
+        parser = argparse.ArgumentParser(
+            prog="python -m keras_geeps._build",
+            description="Build the keras_geeps custom TensorFlow ops.")
+        add_arguments(parser)
+        args = parser.parse_args(argv)
     start = time.monotonic()
     try:
         path = build(force=args.force, cuda=args.cuda)

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+from keras_geeps import _build
 from keras_geeps import shard as shard_module
 
 
@@ -192,11 +193,7 @@ def _cmd_keygen(args):
 
 
 def _cmd_build_ops(args):
-    from keras_geeps import _build  # noqa: PLC0415
-    argv = ["--force"] if args.force else []
-    if args.cuda is not None:
-        argv.append("--cuda" if args.cuda else "--no-cuda")
-    return _build.main(argv)
+    return _build.main(args=args)
 
 
 def build_parser():
@@ -293,13 +290,7 @@ def build_parser():
     build = sub.add_parser("build-ops", help="build the custom TF ops now")
     # (its flags were once taken as a REMAINDER, which takes nothing that
     # starts with "-": `build-ops --no-cuda` was refused)
-    build.add_argument("--force", action="store_true",
-                       help="rebuild even if a matching library is cached")
-    kernels = build.add_mutually_exclusive_group()
-    kernels.add_argument("--cuda", dest="cuda", action="store_true",
-                         default=None, help="require the CUDA kernels")
-    kernels.add_argument("--no-cuda", dest="cuda", action="store_false",
-                         help="build the CPU kernels only")
+    _build.add_arguments(build)
     build.set_defaults(func=_cmd_build_ops)
     return parser
 
