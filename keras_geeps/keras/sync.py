@@ -349,9 +349,12 @@ class ParameterSync:
         return result
 
     def _check_tabled(self, updated):
-        """Raises when the step updates a variable that is in no table."""
+        """Raises when the step updates a trainable variable that is in no
+        table. (Non-trainable ones are the optimizer's own: gradient
+        accumulators, which Keras updates through the strategy too.)"""
         tabled = {id(v) for layer in self.tables for v in layer.variables}
-        missing = [v for key, v in updated.items() if key not in tabled]
+        missing = [v for key, v in updated.items()
+                   if key not in tabled and v.trainable]
         if missing:
             names = ", ".join(sorted(variable_name(v) for v in missing))
             raise GeePSError(
