@@ -1,5 +1,7 @@
 """Tests of the Keras face: real shards on 127.0.0.1, real TensorFlow."""
 
+import contextlib
+
 import numpy as np
 
 
@@ -26,3 +28,16 @@ def small_model(strategy, name=None):
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
                       jit_compile=False)
     return model
+
+
+@contextlib.contextmanager
+def one_worker_strategy(thread_cluster, **kwargs):
+    """A `GeePSStrategy` (kwargs passed on) of the one worker of a new
+    1-shard thread cluster (`thread_cluster`: the fixture), closed after."""
+    from keras_geeps.keras import GeePSStrategy  # noqa: PLC0415
+    cluster = thread_cluster(1, 1)
+    strategy = GeePSStrategy(client=cluster.client(0, timeout=20), **kwargs)
+    try:
+        yield strategy
+    finally:
+        strategy.close()

@@ -18,7 +18,7 @@ keras = pytest.importorskip("keras")
 import tensorflow as tf  # noqa: E402
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
-from tests.keras import regression_data  # noqa: E402
+from tests.keras import one_worker_strategy, regression_data  # noqa: E402
 
 STEPS, BATCH = 6, 8
 
@@ -198,10 +198,8 @@ def test_a_read_after_a_captured_update_is_refused(thread_cluster, capture):
     x, y = regression_data(STEPS * BATCH)
     reference = _two_phase()
     reference.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    cluster = thread_cluster(1, 1)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=20),
-                             capture_updates=capture)
-    try:
+    with one_worker_strategy(thread_cluster,
+                             capture_updates=capture) as strategy:
         with strategy.scope():
             model = _two_phase()
         if capture:
@@ -210,5 +208,3 @@ def test_a_read_after_a_captured_update_is_refused(thread_cluster, capture):
             return
         model.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
         _close(model.get_weights(), reference.get_weights())
-    finally:
-        strategy.close()

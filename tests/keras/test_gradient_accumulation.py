@@ -15,8 +15,7 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 
-from keras_geeps.keras import GeePSStrategy  # noqa: E402
-from tests.keras import regression_data  # noqa: E402
+from tests.keras import one_worker_strategy, regression_data  # noqa: E402
 
 STEPS, BATCH, EPOCHS = 4, 4, 2
 
@@ -49,10 +48,8 @@ def test_fit_accumulates_gradients_as_plain_keras(thread_cluster, capture):
     _fit(reference)
     assert np.abs(_weights(reference) - start).max() > 1e-2  # it trained
 
-    cluster = thread_cluster(1, 1)
-    strategy = GeePSStrategy(client=cluster.client(0, timeout=20),
-                             capture_updates=capture)
-    try:
+    with one_worker_strategy(thread_cluster,
+                             capture_updates=capture) as strategy:
         with strategy.scope():
             model = _compiled()
         _fit(model, strategy.callbacks())
@@ -63,5 +60,3 @@ def test_fit_accumulates_gradients_as_plain_keras(thread_cluster, capture):
             for layer in strategy.parameter_sync.tables])
         np.testing.assert_allclose(rows, _weights(model), rtol=1e-6,
                                    atol=1e-7)
-    finally:
-        strategy.close()
