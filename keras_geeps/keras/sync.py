@@ -438,10 +438,14 @@ class ParameterSync:
                 raise GeePSError(
                     f"{', '.join(variable_name(v) for v in variables)}: "
                     f"created after the parameter table {table_name!r} was "
-                    f"built, which they would have to join; give each model "
-                    f"a distinct name (a functional model's variables carry "
-                    f"only their layer's name: give its layers distinct "
-                    f"names) and build layers before training")
+                    f"built, which they would have to join. Either a layer "
+                    f"made variables after training began (e.g. "
+                    f"enable_lora(), or a layer built lazily on a later "
+                    f"call): build and configure every layer before the "
+                    f"first step; or two models share a name: give each "
+                    f"model a distinct name (a functional model's "
+                    f"variables carry only their layer's name: give its "
+                    f"layers distinct names)")
             layout = ops.PackLayout(variables)
             total = layout.total_size
             width = row_width(total, self.max_row_width)

@@ -97,6 +97,22 @@ def test_functional_layers_of_one_name_never_share_a_table(strategy):
     del second
 
 
+def test_lora_enabled_after_training_began_is_named_as_the_cause(strategy):
+    """A layer given new variables after its table was built (LoRA
+    enabled after the first fit) was told to give its model a distinct
+    name; the error now names the late variables' cause first."""
+    with strategy.scope():
+        model = _compiled("lora", keras.layers.Dense(3, name="a"),
+                          keras.layers.Dense(2, name="b"))
+    _fit(model)
+    with strategy.scope():
+        model.layers[0].enable_lora(2)
+        model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+    with pytest.raises(GeePSError, match=r"made variables after training "
+                                         r"began \(e.g. enable_lora\(\)"):
+        _fit(model)
+
+
 def test_layers_built_inside_the_first_step_get_a_table_each(strategy):
     """Layers built lazily, inside the traced step (a Sequential model
     without an Input), create TF variables named plain 'kernel' and
