@@ -674,7 +674,7 @@ class ShardServer:
             self._seqs[worker] = SeqTracker(message.seq)
             self._answers.pop(worker, None)
             self._existing.pop(worker, None)
-            self._forget_shm(worker)
+            self._forget_process(worker)
             if worker in self._dead:
                 rejoined_at = self._rejoin(worker)
             elif previous is not None:
@@ -769,9 +769,9 @@ class ShardServer:
     def _shared_buffer(self, table, array):
         return table.pool.shared.get(id(array)) if table.pool else None
 
-    def _forget_shm(self, worker):
-        """A new or dead worker process holds none of our buffers (and
-        what was sent to an earlier one counts against no READ of it)."""
+    def _forget_process(self, worker):
+        """A new or dead worker process holds none of our buffers, and
+        what was sent to an earlier one counts against no READ of it."""
         self._unsent_reads.pop(worker, None)
         for table in self._tables.values():
             if table.lent is not None and table.lent[1] == worker:
@@ -985,10 +985,10 @@ class ShardServer:
             self._park(identity, message)
             return
         worker = message.worker
-        unsent = [sends for sends in self._unsent_reads.get(worker, ())
-                  if not all(t.done for t in sends)]
+        unsent = self._unsent_reads[worker] = [
+            sends for sends in self._unsent_reads.get(worker, ())
+            if not all(t.done for t in sends)]
         if len(unsent) >= MAX_UNSENT_READS:
-            self._unsent_reads[worker] = unsent
             raise RequestError(
                 f"{len(unsent)} replies to worker {worker}'s reads are not "
                 f"sent yet (it reads none of them): refusing read of table "
@@ -997,7 +997,6 @@ class ShardServer:
                                 message.seq, table.data)
         if sends:
             unsent.append(sends)
-        self._unsent_reads[worker] = unsent
 
     def _park(self, identity, message):
         """Keeps a read until its rows are fresh enough: at most
@@ -1451,35 +1450,46 @@ class ShardServer:
         timeout = self.settings.worker_timeout
         if not timeout or self._started is None or self._failed is not None:
             return
-        now = time.monotonic()
-        grace = max(timeout, STARTUP_GRACE_S)
-        if any(now - self._last_seen[w] > timeout if w in self._last_seen
-               else now - self._started > grace
-               for w in range(self.num_workers)
-               if w not in self._dead and w not in self._left):
+        if self._silent_workers(timeout):
             # What came while this shard was busy or paused (a long
             # request, a garbage collection, a stopped process) is read
             # first: a heartbeat waiting in its queue is no silence.
-            self._catch_up(deadline=now + timeout)
-            now = time.monotonic()
-        for worker in range(self.num_workers):
+            self._catch_up(deadline=time.monotonic() + timeout)
+        now = time.monotonic()
+        for worker, seen in self._silent_workers(timeout, now):
             if self._failed is not None:
                 return
-            if worker in self._dead or worker in self._left:
-                continue
-            seen = self._last_seen.get(worker)
-            if seen is not None and now - seen > timeout:
+            if seen is not None:
                 since = (" since this shard's restore"
                          if seen == self._restored_at else "")
                 self._worker_died(worker, (
                     f"worker {worker} sent nothing{since} for "
                     f"{now - seen:.1f} s (worker_timeout={timeout:g} s): it "
                     f"died or hangs"))
-            elif seen is None and now - self._started > grace:
+            else:
                 self._worker_died(worker, (
                     f"worker {worker} never connected, "
                     f"{now - self._started:.0f} s after the job's start "
                     f"(or this shard's restore)"))
+
+    def _silent_workers(self, timeout, now=None):
+        """[(worker, time last seen or None)] of the watched workers
+        silent for longer than `timeout`, or never connected within
+        max(timeout, STARTUP_GRACE_S) of the start."""
+        now = time.monotonic() if now is None else now
+        grace = max(timeout, STARTUP_GRACE_S)
+        silent = []
+        for worker in range(self.num_workers):
+            if worker in self._dead or worker in self._left:
+                continue
+            seen = self._last_seen.get(worker)
+            if seen is None:
+                quiet, limit = now - self._started, grace
+            else:
+                quiet, limit = now - seen, timeout
+            if quiet > limit:
+                silent.append((worker, seen))
+        return silent
 
     def _catch_up(self, deadline):
         """Serves what the sockets hold, until they hold nothing or
@@ -1566,7 +1576,7 @@ class ShardServer:
             self._send(told, Message(MsgType.ERROR, meta={
                 "error": self._declared_dead(worker),
                 "code": protocol.ERROR_WORKER_DEAD}))
-        self._forget_shm(worker)
+        self._forget_process(worker)
         for session in self._sessions.values():
             if session.worker == worker:  # nothing more goes to it
                 session.sender.close()
@@ -1589,7 +1599,7 @@ class ShardServer:
         worker = message.worker
         self._left.add(worker)
         self._last_seen.pop(worker, None)
-        self._forget_shm(worker)  # (its client releases nothing more)
+        self._forget_process(worker)  # (its client releases nothing more)
         self._send(identity, Message(MsgType.ACK, seq=message.seq))
         log.info("shard %d: worker %d left", self.shard_id, worker)
         for table in list(self._tables.values()):
