@@ -16,6 +16,7 @@ from keras_geeps.auth import keygen
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.protocol import MsgType
 from keras_geeps.shard import ShardServer, ShardSettings
+from tests import rss_bytes
 from tests.test_shard import RawPeer
 
 
@@ -457,14 +458,6 @@ def test_pooled_buffers_of_a_slow_reader_count_against_the_limit(servers):
         slow.close()
 
 
-def _rss_bytes():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
 def test_replies_a_peer_never_reads_are_bounded(servers):
     """A peer that sends READs and reads nothing (its ZeroMQ stops taking
     from TCP) makes the shard queue the replies. Rows under 64 KiB were
@@ -485,7 +478,7 @@ def test_replies_a_peer_never_reads_are_bounded(servers):
         assert deaf.ask(MsgType.DECLARE, table=0,
                         meta=table_spec).type == MsgType.ACK
         gc.collect()
-        before = _rss_bytes()
+        before = rss_bytes()
         reads = 3000
         for _ in range(reads):
             deaf.send(deaf.message(MsgType.READ, table=0, clk=0))
@@ -495,7 +488,7 @@ def test_replies_a_peer_never_reads_are_bounded(servers):
             time.sleep(0.05)
         stats = server.snapshot_stats()
         assert stats["errors"] >= reads // 2, stats["errors"]
-        grown = _rss_bytes() - before
+        grown = rss_bytes() - before
         assert grown < reads * rows * 4 // 8, grown
         assert stats["held_bytes"] <= 1 << 20
         # The creator is served all the while.

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from keras_geeps import protocol
 from keras_geeps.launch import LocalCluster, worker_env
 from keras_geeps.protocol import Message, MsgType
+from tests import rss_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -417,7 +418,8 @@ def test_sixteen_workers_two_hundred_clocks_four_shards(tmp_path):
             table_bytes = sum(t["rows"] * t["width"] * 4
                               for t in s["tables"].values())
             assert s["held_bytes"] <= 4 * max(table_bytes, 1) + 1024
-            rss_kb = _rss_kb(cluster.shards[s["shard_id"]].process.pid)
+            pid = cluster.shards[s["shard_id"]].process.pid
+            rss_kb = rss_bytes(pid) // 1024
             assert rss_kb < 400_000, rss_kb  # bounded: no growth per clock
     finally:
         cluster.stop()
@@ -428,11 +430,3 @@ def _takes_over(frames):
         return protocol.decode(frames).type in (MsgType.STOP, MsgType.HELLO)
     except protocol.ProtocolError:
         return False
-
-
-def _rss_kb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
