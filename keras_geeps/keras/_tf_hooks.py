@@ -25,7 +25,9 @@ in `finalize_variable_values` (the end of `fit`; under `use_ema` that
 makes the workers' mean moving averages the weights everywhere,
 `ParameterSync.finalize_moving_average`); and at `fit`'s start, and at
 each `train_on_batch`, has the first step take the shards' rows, whatever
-weights were set since.
+weights were set since. `_install_write_watch` tells the syncs of eager
+writes to tf.Variables (a callback's `set_weights` between steps), whose
+layers' next pushes must then be measured rather than captured.
 `install_fit_hooks` has a worker that rejoined a job under way line up
 with the others' epochs as `fit` begins (keras/rejoin.py), the
 strategy's `EpochLogAverager` (keras/epoch_logs.py) replace an epoch's logs
@@ -46,12 +48,14 @@ import threading
 import weakref
 
 import keras
+import tensorflow as tf
 
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.distribute import one_device_strategy
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import ops as tf_ops
 from tensorflow.python.ops import control_flow_util
+from tensorflow.python.ops import resource_variable_ops
 
 from keras_geeps.keras import rejoin
 
@@ -161,6 +165,7 @@ def install_update_capture():
     if cls.__dict__.get("_geeps_capture_installed"):
         return
     _install_catch_ups()
+    _install_write_watch()
     for name, sign in (("assign_add", 1.0), ("assign_sub", -1.0)):
         original = getattr(cls, name)
 
@@ -175,6 +180,31 @@ def install_update_capture():
         method.__doc__ = original.__doc__
         setattr(cls, name, method)
     cls._geeps_capture_installed = True
+
+
+def _install_write_watch():
+    """Has every sync hear of each eager `assign` / `assign_add` /
+    `assign_sub` of a tf.Variable (`ParameterSync.note_outside_write`):
+    writes between steps (a callback's `set_weights`, `load_weights`, a
+    Keras or TF variable's own `assign`), which a captured layer's next
+    push must carry, as a measured one does. Writes traced into a step are
+    not eager. Costs a check per eager write, nothing per traced step."""
+    classes = (resource_variable_ops.BaseResourceVariable,
+               resource_variable_ops.ResourceVariable)
+    for cls in classes:
+        for name in ("assign", "assign_add", "assign_sub"):
+            original = cls.__dict__.get(name)
+            if original is None:
+                continue
+
+            @functools.wraps(original)
+            def watched(self, *args, _original=original, **kwargs):
+                if _all_syncs and tf.executing_eagerly():
+                    for active in list(_all_syncs):
+                        active.note_outside_write(self)
+                return _original(self, *args, **kwargs)
+
+            setattr(cls, name, watched)
 
 
 def release_sync(sync):

@@ -16,6 +16,8 @@ earlier in the step (weight decay). Steps run eagerly are never captured:
 their direct writes leave no op to check. A layer is captured only when
 every one of its variables was; the captured updates of a layer that is not
 are applied at the end of the step, before its push measures the change.
+So are, at push time, those of a layer whose weights were written between
+steps (a callback's `set_weights`; `ParameterSync.note_outside_write`).
 
 A read of a variable after its captured update in the same step (a GAN's
 generator pass through the discriminator it has just updated) is found

@@ -88,10 +88,12 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             except where user code can see them: they are caught up before
             `fit`'s epoch-end and train-end callbacks (and around train
             batches when a callback reads weights there), after
-            `train_on_batch`, and at the end of `fit`. A change a
-            callback makes to the weights during `fit` (`set_weights`) is
-            not sent, and the next pull undoes it: pass False for such
-            callbacks. Defaults to True.
+            `train_on_batch`, and at the end of `fit`. A layer whose
+            weights are written between steps (a callback's `set_weights`
+            or `assign` during `fit`) has its next push measured on the
+            variables instead, so the change reaches the shards as without
+            capture (`stats()["outside_write_pushes"]` counts those
+            pushes). Defaults to True.
         average_epoch_logs: before `fit`'s epoch-end callbacks run, replace
             each number in the epoch's logs (loss, metrics, validation
             metrics) by its mean over the live workers, so that deciding

@@ -127,6 +127,9 @@ class LayerTable:
         # trail the shards (a captured update is not in them; a measured
         # one is in them unscaled, without the other workers').
         self.behind = False
+        # Written eagerly since the last pull (a callback's set_weights):
+        # the next push measures the update, captured or not.
+        self.written_outside = False
         self.pulled_shared = None  # the pulled shard rows, if shared
         self._reads = _BufferPair(layout.total_size, table.dtype)
         self._uploads = _BufferPair(layout.total_size, table.dtype)
@@ -198,6 +201,7 @@ class ParameterSync:
             else 1.0
         self.max_row_width = max_row_width
         self.tables = []
+        self._layer_of = {}        # id(tf.Variable) -> its LayerTable
         self._candidates = []
         self._updated = None
         self.capture_updates = capture_updates
@@ -211,6 +215,8 @@ class ParameterSync:
         self.push_seconds = 0.0
         self.steps = 0             # steps pushed
         self.max_staleness = 0     # most clocks a read lagged its clock
+        # pushes of captured layers measured instead (note_outside_write)
+        self.outside_write_pushes = 0
         # What the pull / push ops raised: tf.py_function hands TensorFlow
         # only the message, so `_tf_hooks` re-raises these (take_failure).
         self._failures = []
@@ -260,6 +266,16 @@ class ParameterSync:
         held = _ids(v for layer in self.tables for v in layer.variables) | \
             _ids(v for v, _ in self._candidates)
         return [v for v in variables if not _ids([v]) <= held]
+
+    def note_outside_write(self, variable):
+        """Notes an eager write to `variable` (a tf.Variable), outside any
+        traced step: its layer's next push is measured on the variables
+        (with the step's captured update applied first), so that a
+        callback's `set_weights` during `fit` reaches the shards as it
+        would without capture (`_tf_hooks`). No-op for other variables."""
+        layer = self._layer_of.get(id(variable))
+        if layer is not None:
+            layer.written_outside = True
 
     def note_update(self, variable):
         """Called for every variable the optimizer updates (at trace time)."""
@@ -453,7 +469,9 @@ class ParameterSync:
                 if self.client.worker_id == self.client.initializer else None
             table = self.client.create_table(table_name, total // width,
                                              width, dtype, init=init)
-            self.tables.append(LayerTable(name, variables, table, layout))
+            layer = LayerTable(name, variables, table, layout)
+            self.tables.append(layer)
+            self._layer_of.update((i, layer) for i in _ids(variables))
 
     def table_report(self):
         """A printable list of tables: layer, rows x width, bytes, shards."""
@@ -535,6 +553,7 @@ class ParameterSync:
         layer.pulled_shared = snapshot if shared else None
         if values is None:
             ops.unpack(snapshot, layer.variables, layer.layout)
+            layer.written_outside = False
         layer.snapshot = snapshot
         layer.snapshot_stale = False
         self.pull_seconds += time.perf_counter() - started
@@ -681,6 +700,12 @@ class ParameterSync:
                 f"parameter table {layer.name!r}: push before any pull; an "
                 f"update is measured against the values pulled last, so "
                 f"pull (pull_all, or strategy.run) before the step")
+        if update is not None and layer.written_outside:
+            # Weights set since the pull: measure the update with them.
+            for variable, value, sign in zip(layer.variables, *update):
+                variable.assign_add(value if sign > 0 else -value)
+            update = None
+            self.outside_write_pushes += 1
         if update is not None:
             rows = self._write_captured(layer, *update)
         elif values is None and layer.snapshot is not None and layer.on_cpu \
@@ -700,6 +725,7 @@ class ParameterSync:
             self.client.update(table, rows, copy=False)
             self.client.clock([table])
         layer.snapshot_stale = True
+        layer.written_outside = False
         self.push_seconds += time.perf_counter() - started
 
     def _update_target(self, table):
@@ -806,5 +832,6 @@ class ParameterSync:
                        push_seconds=self.push_seconds, steps=self.steps,
                        max_staleness=self.max_staleness,
                        tables=len(self.tables),
-                       captured_tables=len(self.captured_layers))
+                       captured_tables=len(self.captured_layers),
+                       outside_write_pushes=self.outside_write_pushes)
         return figures

@@ -1,0 +1,114 @@
+"""Weights a callback sets during `fit` reach the shards, captured or not.
+
+Under BSP a CPU layer's update is captured from the optimizer and pushed
+without being measured on the variables (keras/capture.py). A callback
+that changes the weights between steps (`set_weights` in `on_epoch_end`
+or `on_train_batch_begin`, as pruning or clipping callbacks do) would then
+lose its change at the next pull. These tests train one worker on a real
+shard with such callbacks and compare the weights with plain Keras.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+keras = pytest.importorskip("keras")
+
+from tests.keras import (  # noqa: E402
+    one_worker_strategy, regression_data, small_model)
+
+STEPS, BATCH, EPOCHS = 4, 4, 3
+
+
+class _HalveAtEpochEnd(keras.callbacks.Callback):
+    """`set_weights` with every weight halved, at each epoch's end but the
+    last (a change after the last step stays the worker's, as one made
+    between two fits: no step takes it to the shards)."""
+
+    WRITES = 2 * (EPOCHS - 1)  # layer writes a following step pushes
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch < EPOCHS - 1:
+            self.model.set_weights([w * 0.5
+                                    for w in self.model.get_weights()])
+
+
+class _ClipAtBatchBegin(keras.callbacks.Callback):
+    """Clips the first layer's kernel to [-0.2, 0.2] through its Keras
+    variable before the second batch of each epoch, and writes the second
+    layer's bias through its tf.Variable."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch != 1:
+            return
+        kernel = self.model.layers[0].kernel
+        kernel.assign(np.clip(kernel.numpy(), -0.2, 0.2))
+        bias = self.model.layers[1].bias
+        bias.value.assign_add(np.full(bias.shape, 0.25, np.float32))
+
+    WRITES = 2 * EPOCHS
+
+
+def _weights(model):
+    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
+
+
+def _rows(strategy):
+    return np.concatenate([strategy.client.read(layer.table).reshape(-1)
+                           for layer in strategy.parameter_sync.tables])
+
+
+def _fit(model, callback):
+    x, y = regression_data(STEPS * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+              verbose=0, callbacks=[callback])
+    return _weights(model)
+
+
+@pytest.mark.parametrize("callback", [_HalveAtEpochEnd, _ClipAtBatchBegin])
+@pytest.mark.parametrize("capture", [True, False])
+def test_weights_set_by_a_callback_during_fit_reach_the_shards(
+        thread_cluster, capture, callback):
+    """One worker trains as plain Keras does, the callback's writes
+    included, and the shards end with the worker's weights."""
+    with one_worker_strategy(thread_cluster,
+                             capture_updates=capture) as strategy:
+        model = small_model(strategy)
+        start = model.get_weights()
+        got = _fit(model, callback())
+        assert bool(strategy.parameter_sync.captured_layers) == capture
+        assert strategy.parameter_sync.stats()["outside_write_pushes"] == \
+            (callback.WRITES if capture else 0)
+        rows = _rows(strategy)
+    np.testing.assert_array_equal(got, rows)
+    reference = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3),
+                                  keras.layers.Dense(2)])
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                      jit_compile=False)
+    reference.set_weights(start)
+    np.testing.assert_allclose(got, _fit(reference, callback()), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_keras_callbacks_leave_every_push_captured(thread_cluster, tmp_path):
+    """Keras' own callbacks and `fit`'s validation write no weights between
+    steps: every push of the fit stays captured (none measured)."""
+    callbacks = [
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.weights.h5"),
+                                        save_weights_only=True),
+        keras.callbacks.EarlyStopping(patience=5),
+        keras.callbacks.ReduceLROnPlateau(),
+        keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
+        keras.callbacks.CSVLogger(str(tmp_path / "log.csv"))]
+    with one_worker_strategy(thread_cluster) as strategy:
+        model = small_model(strategy)
+        x, y = regression_data(2 * STEPS * BATCH)
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                  validation_split=0.5, verbose=0,
+                  callbacks=callbacks + strategy.callbacks())
+        stats = strategy.parameter_sync.stats()
+    assert stats["captured_tables"] == stats["tables"] == 2
+    assert stats["steps"] == EPOCHS * STEPS
+    assert stats["outside_write_pushes"] == 0
