@@ -192,3 +192,29 @@ def test_a_worker_refuses_shards_restored_at_different_clocks(tmp_path):
     finally:
         for shard in shards:
             shard.stop()
+
+
+def test_a_creator_refuses_a_table_restored_on_some_shards_only(tmp_path):
+    """A whole job killed after shard 0 wrote a split table's first
+    snapshot (clock 2) and before shard 1 did: restored so, its creator
+    is refused at once, naming the shard whose checkpoint lacks it and the
+    command (not a read timing out later on a torn table)."""
+    directory = str(tmp_path)
+    checkpoint.write(directory, 0, 2, 1, {
+        0: (spec("t", ROWS, 0, ROWS // 2, WIDTH), 2,
+            rows_of(2, ROWS // 2, WIDTH))})
+    checkpoint.write(directory, 1, 2, 1, {})
+    shards = _shards(directory, restore=True)
+    try:
+        with _client(shards) as client:
+            started = time.monotonic()
+            with pytest.raises(GeePSError, match=r"different clocks \("
+                               r"shard 0: 2, shard 1: not in its "
+                               r"checkpoint\): run `keras-geeps "
+                               r"align-checkpoints"):
+                client.create_table("t", ROWS, WIDTH)
+            assert time.monotonic() - started < 5  # not the 10 s timeout
+    finally:
+        for shard in shards:
+            shard.stop()
+    assert checkpoint.align_job(directory, 2, 1) == {0: None}

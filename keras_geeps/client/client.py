@@ -667,32 +667,55 @@ class GeePSClient:
                         table.init.pop(part, None)
                     else:
                         table.ages[part] = max(table.ages[part], 0)
+            created = set(range(len(parts))) - theirs
             creator = not theirs
         if not creator:  # a worker (re)joining a running job starts there
-            self._check_restored_clocks(table, replies, request_parts)
+            self._check_restored_clocks(table, replies, request_parts,
+                                        created if parts else ())
             table.clock = max((r.meta.get("global_clock", 0)
                                for r in replies), default=0)
             # Creation is collective: return once the initial rows are here
             # (a shard would hold an update until the creator's rows came).
             self.wait_fresh(table, clock=table.clock + self.slack)
 
-    def _check_restored_clocks(self, table, replies, request_parts):
-        """Refuses a table its shards restored at different clocks (a whole
-        job killed between two shards' checkpoint writes, started again
-        without `keras-geeps align-checkpoints`): no worker could go on
-        from there, every wait would time out."""
-        clocks = {}
+    def _check_restored_clocks(self, table, replies, request_parts,
+                               created=()):
+        """Refuses a table its shards restored at different clocks, or
+        restored on some shards while others' checkpoints lacked it (a
+        whole job killed between two shards' checkpoint writes, started
+        again without `keras-geeps align-checkpoints`): no worker could go
+        on from there, every wait would time out.
+
+        Args:
+            table: the table being created.
+            replies: the shards' CREATE replies, one per request part.
+            request_parts: the part each reply is for.
+            created: parts this creator's rows created now (no shard held
+                them).
+        """
+        restored, others = {}, {}
         for part, reply in zip(request_parts, replies):
-            if not reply.meta.get("restored"):
-                return  # a job under way: its shards may be a clock apart
             shard = table.parts[part][0]
-            clocks[shard] = reply.meta.get("global_clock", 0)
-        if len(set(clocks.values())) > 1:
+            clock = reply.meta.get("global_clock", 0)
+            if part in created:
+                clock = None  # its checkpoint lacked it
+            (restored if reply.meta.get("restored") else others)[shard] = \
+                clock
+        if not restored:
+            return
+        # A job under way (one shard restarted alone) has its other shards
+        # at most a clock apart from the restored one, never created anew.
+        first = min(restored.values())
+        if len(set(restored.values())) > 1 or any(
+                clock is None or clock < first - 1
+                for clock in others.values()):
+            clocks = {**restored, **others}
             raise GeePSError(
                 f"table {table.name!r}: its shards were restored from "
                 f"checkpoints at different clocks ("
-                + ", ".join(f"shard {s}: {c}" for s, c in sorted(
-                    clocks.items()))
+                + ", ".join(f"shard {s}: " + (
+                    "not in its checkpoint" if c is None else str(c))
+                    for s, c in sorted(clocks.items()))
                 + "): run `keras-geeps align-checkpoints DIR --shards "
                 f"{self.cluster.num_shards} --workers {self.num_workers}` on "
                 "the shards' checkpoint folder before starting them with "
