@@ -148,7 +148,9 @@ def _cuda_archs():
 
 
 def build_key(cuda):
-    """The cache key: sources, TensorFlow version, CUDA or not (and archs).
+    """The cache key: sources, this build script (its flags), the C++
+    compiler named by CXX, TensorFlow version, CUDA or not (with its archs
+    and nvcc).
 
     Args:
         cuda: bool, whether the CUDA kernels are built.
@@ -164,9 +166,12 @@ def build_key(cuda):
         digest.update(b"\0")
         digest.update(path.read_bytes())
         digest.update(b"\0")
+    digest.update(pathlib.Path(__file__).read_bytes())  # flags, steps
+    digest.update(os.environ.get("CXX", "g++").encode() + b"\0")
     digest.update(tf.__version__.encode())
     if cuda:
         digest.update(";".join(_cuda_archs()).encode())
+        digest.update(str(find_nvcc()).encode())
     kind = "cuda" if cuda else "cpu"
     return f"tf{tf.__version__}-{kind}-{digest.hexdigest()[:16]}"
 

@@ -264,6 +264,9 @@ class PackLayout:
         shapes = []
         dtypes = set()
         for item in variables_or_shapes:
+            # A keras.Variable's own dtype, not its autocast one.
+            variable = _resource_variable(item)
+            item = item if variable is None else variable
             if hasattr(item, "shape") and hasattr(item, "dtype"):
                 shape = tf.TensorShape(item.shape)
                 dtypes.add(tf.as_dtype(item.dtype))

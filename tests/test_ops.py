@@ -724,3 +724,69 @@ def test_pack_tensors_into_adds_a_base(dtype, shapes):
     with pytest.raises(INVALID, match="base has shape"):
         ops.pack_tensors_into(values, layout, tf.zeros_like(base), scales,
                               base=base[1:])
+
+
+def test_layouts_past_int64_or_not_the_inputs_are_refused_naming_why():
+    """Sizes adding up past int64 are refused (the kernel once built a
+    negative shape and aborted the process: run in a child), and a layout
+    bigger than its inputs names the input rather than failing to
+    allocate the buffer its sizes make up."""
+    proc = _python(
+        "import tensorflow as tf\n"
+        "from keras_geeps import ops\n"
+        "huge = ops.PackLayout([(2**62,), (2**62,)])\n"
+        "cases = [([tf.Variable(tf.zeros([2])), tf.Variable(tf.zeros([2]))],"
+        " huge), ([tf.zeros([2]), tf.zeros([2])], huge),\n"
+        "         ([tf.Variable(tf.zeros([2]))], ops.PackLayout([(2**62,)])),"
+        "\n         ([tf.zeros([2])], ops.PackLayout([(2**62,)]))]\n"
+        "for inputs, layout in cases:\n"
+        "    try:\n"
+        "        ops.pack(inputs, layout)\n"
+        "    except tf.errors.InvalidArgumentError as exc:\n"
+        "        print('refused:', exc.message.splitlines()[0])\n", {})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = [line for line in proc.stdout.splitlines()
+               if line.startswith("refused:")]
+    assert len(refused) == 4, proc.stdout
+    for line in refused[:2]:
+        assert "the layout's sizes add up to more than " \
+               "9223372036854775807 elements (at sizes[1]" in line
+    for line in refused[2:]:
+        assert "variable 0 has shape [2] (2 elements) but the layout gives " \
+               "it 4611686018427387904 elements" in line
+
+
+def test_a_layout_of_keras_variables_has_their_dtype_under_autocast():
+    """Inside an autocast scope a keras.Variable reads as float16; its
+    layout still takes the variable's own float32, so pack and unpack of
+    it work there."""
+    import keras  # noqa: PLC0415
+    from keras.src.backend import AutocastScope  # noqa: PLC0415
+    kernel = keras.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
+    with AutocastScope("float16"):
+        assert kernel.value.dtype == tf.float16
+        layout = ops.PackLayout([kernel])
+        assert layout.dtype == tf.float32
+        np.testing.assert_array_equal(ops.pack([kernel], layout).numpy(),
+                                      np.arange(6))
+        ops.unpack(tf.ones([6]), [kernel], layout)
+    np.testing.assert_array_equal(kernel.numpy(), np.ones((2, 3)))
+
+
+def test_the_build_key_follows_the_build_and_its_compiler(monkeypatch):
+    """A changed compiler (CXX) or build script gets a new library, not
+    the one built before."""
+    monkeypatch.delenv("CXX", raising=False)
+    key = _build.build_key(False)
+    monkeypatch.setenv("CXX", "clang++")
+    assert _build.build_key(False) != key
+    monkeypatch.delenv("CXX")
+    real = pathlib.Path.read_bytes
+    script = pathlib.Path(_build.__file__)
+
+    def edited(path):
+        data = real(path)
+        return data + b"# -O0\n" if path == script else data
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", edited)
+    assert _build.build_key(False) != key

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -207,6 +208,12 @@ absl::Status LayoutOffsets(OpKernelConstruction* ctx,
       return absl::InvalidArgumentError(
           absl::StrCat("sizes[", i, "] = ", sizes[i], " is negative"));
     }
+    if (sizes[i] > std::numeric_limits<int64_t>::max() - offsets->back()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the layout's sizes add up to more than ",
+          std::numeric_limits<int64_t>::max(), " elements (at sizes[", i,
+          "] = ", sizes[i], ")"));
+    }
     offsets->push_back(offsets->back() + sizes[i]);
   }
   return absl::OkStatus();
@@ -273,8 +280,9 @@ class PackOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CheckBuffer(snap, "snapshot", total));
       snapshot = snap.flat<T>().data();
     }
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &out));
+    // Every input is checked against the layout before the output is
+    // allocated: a layout that is not the inputs' fails naming the input,
+    // not on the allocation of a buffer its sizes make up.
     std::vector<const T*> srcs(n);
     functor::PackSegments<Device, T> pack;
     if (!kResources) {
@@ -283,6 +291,8 @@ class PackOp : public OpKernel {
                        CheckSegmentSize(i, ctx->input(i).shape(), offsets_));
         srcs[i] = ctx->input(i).flat<T>().data();
       }
+      Tensor* out = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &out));
       OP_REQUIRES_OK(
           ctx, pack(ctx, srcs, offsets_, snapshot, out->flat<T>().data()));
       return;
@@ -292,6 +302,8 @@ class PackOp : public OpKernel {
     VariableListLock lock(vars, /*exclusive=*/false);
     OP_REQUIRES_OK(ctx, CheckLayoutVariables<T>(vars, offsets_));
     for (int i = 0; i < n; ++i) srcs[i] = vars[i]->tensor()->flat<T>().data();
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &out));
     OP_REQUIRES_OK(ctx,
                    pack(ctx, srcs, offsets_, snapshot, out->flat<T>().data()));
   }

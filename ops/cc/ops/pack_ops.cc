@@ -5,6 +5,7 @@
 // so a whole model's parameters or updates travel as one transfer. Unpack is
 // the way back, assigning or adding the buffer into the variables.
 
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -35,6 +36,12 @@ absl::Status LayoutSizes(InferenceContext* c, std::vector<int64_t>* sizes,
     if ((*sizes)[i] < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("sizes[", i, "] = ", (*sizes)[i], " is negative"));
+    }
+    if ((*sizes)[i] > std::numeric_limits<int64_t>::max() - *total) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the layout's sizes add up to more than ",
+          std::numeric_limits<int64_t>::max(), " elements (at sizes[", i,
+          "] = ", (*sizes)[i], ")"));
     }
     *total += (*sizes)[i];
   }
