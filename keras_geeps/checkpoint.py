@@ -23,13 +23,19 @@ an uncompressed numpy `.npz` archive with
 
 Writes go to a temporary file in the same folder, are fsynced, then
 renamed over the old file: a crash at any point leaves either the old or
-the new checkpoint, never a torn one. The one replaced is kept as
+the new checkpoint, never a torn one. Each table's snapshot before its
+latest is kept in
 
     <dir>/shard-<id>-of-<num_shards>.older.ckpt.npz
 
-(a hard link made before the rename): each shard writes on its own, so a
-whole job killed between two shards' writes leaves one shard's latest
-snapshot of a table a checkpoint ahead of another's; `align_job`, run
+(the replaced file itself, by a hard link made before the rename, when
+the new one moves every table; otherwise a copy that keeps the older
+snapshot of each table the new one leaves at its clock, so a write that
+moves only some tables, as per-layer clocks crossing a multiple of K one
+after another make, never leaves a table's latest clock in both files):
+each shard writes on its own, so a whole job killed between two shards'
+writes leaves one shard's latest snapshot of a table a checkpoint ahead
+of another's; `align_job`, run
 before a whole job starts again from its checkpoint (`keras-geeps launch`
 does; by hand, `keras-geeps align-checkpoints`), takes every table back to
 the latest clock all its shards hold, from these two files.
@@ -47,9 +53,12 @@ created it, which keeps the initial rows until a checkpoint holds them,
 and every worker replays it from clock 0.
 """
 
+import io
 import json
 import os
+import shutil
 import tempfile
+import zipfile
 
 import numpy as np
 
@@ -115,8 +124,13 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(path):  # the one replaced stays as the older
-            os.link(path, link)
-            os.replace(link, older)
+            sources = _older_sources(path, older, meta["tables"])
+            if sources is None:
+                os.link(path, link)
+            else:
+                _write_composite(link, path, sources)
+            if sources != {}:
+                os.replace(link, older)
         os.replace(tmp, path)
         dir_fd = os.open(directory, os.O_RDONLY)
         try:
@@ -129,6 +143,69 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
                 os.unlink(leftover)
         raise
     return path
+
+
+def _older_sources(path, older, new_tables):
+    """Where the older file's snapshot of each table comes from when the
+    latest checkpoint `path` is replaced by one of `new_tables` (meta
+    entries): a table whose clock the new one changes keeps its latest
+    snapshot as its older one; a table it leaves at the same clock keeps
+    the older file's, if that is at another clock (a write that moves only
+    some tables, as per-layer clocks crossing a multiple of K one by one
+    make, must not leave a table's latest clock in both files: `align_job`
+    could then take no table back a checkpoint).
+
+    Returns:
+        None to keep `path` whole as the older file (what most writes
+        do), {} to leave the older file as it is, else {table id: the
+        file to copy its snapshot from}.
+    """
+    latest = read_meta(path)["tables"]
+    try:
+        before = read_meta(older)["tables"] if os.path.exists(older) else {}
+    except CheckpointError:
+        before = {}  # unreadable: no way back there anyway
+    sources, from_older = {}, 0
+    for tid, entry in latest.items():
+        kept = before.get(tid)
+        same = tid in new_tables and \
+            new_tables[tid]["clock"] == entry["clock"]
+        if same and kept is not None and kept["clock"] != entry["clock"]:
+            sources[tid] = older
+            from_older += 1
+        else:
+            sources[tid] = path
+    if not from_older:
+        return None
+    if from_older == len(sources) == len(before):
+        return {}  # the older file holds just these already
+    return sources
+
+
+def _write_composite(target, latest_path, sources):
+    """Writes (and fsyncs) a checkpoint at `target` holding each table's
+    snapshot from the file `sources` names, with the latest file's other
+    meta. Rows are copied between the archives as they are stored, a
+    megabyte at a time (no table is read whole into memory)."""
+    meta = read_meta(latest_path)
+    tables = {}
+    for tid, source in sources.items():
+        tables[tid] = read_meta(source)["tables"][tid]
+    meta["tables"] = tables
+    header = io.BytesIO()
+    np.save(header, np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    with open(target, "wb") as f:
+        with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED,
+                             allowZip64=True) as out:
+            out.writestr("meta.npy", header.getvalue())
+            for tid, source in sources.items():
+                name = f"table_{tid}.npy"
+                with zipfile.ZipFile(source) as archive, \
+                        archive.open(name) as rows, \
+                        out.open(name, "w", force_zip64=True) as copy:
+                    shutil.copyfileobj(rows, copy, 1 << 20)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _archive(path, f):

@@ -218,3 +218,30 @@ def test_a_creator_refuses_a_table_restored_on_some_shards_only(tmp_path):
         for shard in shards:
             shard.stop()
     assert checkpoint.align_job(directory, 2, 1) == {0: None}
+
+
+def test_tables_moving_one_write_at_a_time_keep_their_own_older(tmp_path):
+    """Per-layer clocks cross a multiple of K one table at a time, each a
+    write of all the shard's snapshots: table 0 at 4 with table 1 still at
+    2, then both at 4, then again (a worker left). The older file keeps
+    each table's snapshot before its latest (0 at 2, 1 at 2), so a job
+    killed before shard 1 wrote table 0 at 4 is aligned back to 2 rather
+    than starting table 0 from its initial values."""
+    directory = str(tmp_path)
+    a0, a1, b = spec("a", 6, 0, 4), spec("a", 6, 4, 6), spec("b", 3, 0, 3)
+    for clocks in ((2, 2), (4, 2), (4, 4), (4, 4)):
+        checkpoint.write(directory, 0, 2, 2, {
+            0: (a0, clocks[0], rows_of(clocks[0], 4)),
+            1: (b, clocks[1], rows_of(10 + clocks[1], 3))},
+            left=[1] if clocks == (4, 4) else [])
+    older = checkpoint.load_job(directory, 0, 2, 2, older=True)[0]
+    assert {t: c for t, (_, c, _) in older.items()} == {0: 2, 1: 2}
+    np.testing.assert_array_equal(older[0][2], rows_of(2, 4))
+    np.testing.assert_array_equal(older[1][2], rows_of(12, 3))
+    checkpoint.write(directory, 1, 2, 2, {0: (a1, 2, rows_of(2, 2))})
+    assert checkpoint.align_job(directory, 2, 2) == {0: 2, 1: 4}
+    shard0, left0 = checkpoint.load_job(directory, 0, 2, 2)
+    assert {t: c for t, (_, c, _) in shard0.items()} == {0: 2, 1: 4}
+    assert left0 == {1}
+    np.testing.assert_array_equal(shard0[0][2], rows_of(2, 4))
+    np.testing.assert_array_equal(shard0[1][2], rows_of(14, 3))
