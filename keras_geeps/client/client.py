@@ -654,6 +654,7 @@ class GeePSClient:
         """A creation every shard acknowledged: which rows are whose, and a
         worker (re)joining a job under way starts at its clock."""
         parts = table.parts
+        created = set()  # parts this creator's rows make (no shard had them)
         if creator:
             # Parts a shard held already (restored from a checkpoint, or a
             # running job this restarted creator joins) come pushed and
@@ -667,11 +668,11 @@ class GeePSClient:
                         table.init.pop(part, None)
                     else:
                         table.ages[part] = max(table.ages[part], 0)
-            created = set(range(len(parts))) - theirs
+            created = set(range(len(parts))) - theirs - table.created_again
             creator = not theirs
         if not creator:  # a worker (re)joining a running job starts there
             self._check_restored_clocks(table, replies, request_parts,
-                                        created if parts else ())
+                                        created)
             table.clock = max((r.meta.get("global_clock", 0)
                                for r in replies), default=0)
             # Creation is collective: return once the initial rows are here
