@@ -1,7 +1,9 @@
 """Shard checkpoints: the on-disk format, atomic writes, loading.
 
 A shard snapshots a table whenever the table's global clock reaches a
-multiple of K (`--checkpoint-every K`): the snapshot holds exactly the
+multiple of K (`--checkpoint-every K`), and at the clock a worker that
+left, died (the job going on without it) or rejoined had reached, whose
+updates no worker could replay: the snapshot holds exactly the
 updates of the clocks before that clock, so the snapshots of one table on
 every shard are at the same clock and together form a consistent copy of
 the job. The shard then writes all its latest snapshots to
@@ -125,10 +127,16 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             os.fsync(f.fileno())
         if os.path.exists(path):  # the one replaced stays as the older
             sources = _older_sources(path, older, meta["tables"])
+            try:
+                if sources:
+                    _write_composite(link, path, sources)
+            except (CheckpointError, KeyError, ValueError,
+                    zipfile.BadZipFile):  # a damaged older: keep the latest
+                sources = None
+                if os.path.exists(link):
+                    os.unlink(link)
             if sources is None:
                 os.link(path, link)
-            else:
-                _write_composite(link, path, sources)
             if sources != {}:
                 os.replace(link, older)
         os.replace(tmp, path)
@@ -160,21 +168,22 @@ def _older_sources(path, older, new_tables):
         do), {} to leave the older file as it is, else {table id: the
         file to copy its snapshot from}.
     """
-    latest = read_meta(path)["tables"]
     try:
+        latest = read_meta(path)["tables"]
         before = read_meta(older)["tables"] if os.path.exists(older) else {}
-    except CheckpointError:
-        before = {}  # unreadable: no way back there anyway
-    sources, from_older = {}, 0
-    for tid, entry in latest.items():
-        kept = before.get(tid)
-        same = tid in new_tables and \
-            new_tables[tid]["clock"] == entry["clock"]
-        if same and kept is not None and kept["clock"] != entry["clock"]:
-            sources[tid] = older
-            from_older += 1
-        else:
-            sources[tid] = path
+        sources, from_older = {}, 0
+        for tid, entry in latest.items():
+            kept = before.get(tid)
+            same = tid in new_tables and \
+                new_tables[tid]["clock"] == entry["clock"]
+            if same and kept is not None and \
+                    kept["clock"] != entry["clock"]:
+                sources[tid] = older
+                from_older += 1
+            else:
+                sources[tid] = path
+    except (CheckpointError, KeyError, TypeError, AttributeError):
+        return None  # a damaged file: kept whole, as any other
     if not from_older:
         return None
     if from_older == len(sources) == len(before):

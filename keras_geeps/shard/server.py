@@ -143,6 +143,9 @@ class ShardServer:
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
         self._left = set()        # workers that closed their client (LEAVE)
+        # LEAVEs answered once a checkpoint holds the leaver's clocks:
+        # [(identity, seq, {table id: clock})]
+        self._leave_acks = []
         self._started = None      # first HELLO or restore: liveness watch
         self._served = []         # (socket, dispatch) the loop serves
         self._restored_at = None  # a restore of a job under way: its time
@@ -1387,8 +1390,58 @@ class ShardServer:
     # ------------------------------------------- checkpoints, liveness
     def _maybe_snapshot(self, table, clock, data):
         every = self.settings.checkpoint_every
-        if every and clock % every == 0:
+        if (every and clock % every == 0) or clock in table.snapshot_at:
             table.snapshot = (clock, data.copy())
+        if table.snapshot_at:
+            table.snapshot_at = {c for c in table.snapshot_at if c > clock}
+
+    def _snapshot_clocks_of(self, worker):
+        """Has every table snapshot at the clock `worker` finished, where
+        no checkpoint holds that clock yet: a worker that left, died (the
+        job going on without it) or rejoined cannot replay what a restart
+        of this shard from an older checkpoint would lose. Taken now where
+        the table is at that clock, else when it gets there.
+
+        Returns:
+            {table id: clock} of the tables whose checkpoint must still
+            reach that clock (empty without a checkpoint_dir).
+        """
+        if self._writer is None:
+            return {}
+        wanted = {}
+        for table in self._tables.values():
+            clock = int(table.vclock[worker])
+            if not table.ready or clock >= DEAD_CLOCK or \
+                    clock <= table.ckpt_clock:
+                continue
+            wanted[table.id] = clock
+            if table.snapshot is not None and table.snapshot[0] >= clock:
+                continue  # one at (or past) it waits for the writer
+            if clock == table.global_clock:
+                if table.snapshot is not None and \
+                        table.snapshot[1] is not table.data or \
+                        self._room_for(table.nbytes):
+                    table.snapshot = (clock, table.data.copy())
+                else:
+                    log.warning("shard %d: no memory to snapshot table %r "
+                                "at clock %d for worker %d", self.shard_id,
+                                table.spec["name"], clock, worker)
+                    del wanted[table.id]
+            elif clock > table.global_clock:
+                table.snapshot_at.add(clock)
+        return wanted
+
+    def _answer_leaves(self):
+        """ACKs the LEAVEs whose clocks a written checkpoint now holds."""
+        waiting = []
+        for identity, seq, clocks in self._leave_acks:
+            if all(tid not in self._tables or
+                   self._tables[tid].ckpt_clock >= clock
+                   for tid, clock in clocks.items()):
+                self._send(identity, Message(MsgType.ACK, seq=seq))
+            else:
+                waiting.append((identity, seq, clocks))
+        self._leave_acks = waiting
 
     def _checkpoint_request(self, identity, message):
         if self._writer is None:
@@ -1426,6 +1479,7 @@ class ShardServer:
                 if table is not None:
                     table.ckpt_clock = max(table.ckpt_clock, clock)
             self.stats["checkpoints"] += done.ok
+            self._answer_leaves()
             for identity, seq in done.requests:
                 self._send(identity, Message(MsgType.ACK, seq=seq) if done.ok
                            else Message(MsgType.ERROR, seq=seq, meta={
@@ -1580,6 +1634,7 @@ class ShardServer:
         for session in self._sessions.values():
             if session.worker == worker:  # nothing more goes to it
                 session.sender.close()
+        self._snapshot_clocks_of(worker)  # (before its clocks are gone)
         for table in self._tables.values():
             table.vclock[worker] = DEAD_CLOCK
             table.subscribers.discard(worker)
@@ -1600,7 +1655,13 @@ class ShardServer:
         self._left.add(worker)
         self._last_seen.pop(worker, None)
         self._forget_process(worker)  # (its client releases nothing more)
-        self._send(identity, Message(MsgType.ACK, seq=message.seq))
+        # Its replay log goes with it: the ACK waits for a checkpoint at
+        # the clocks it finished (the client waits LEAVE_WAIT_S at most).
+        clocks = self._snapshot_clocks_of(worker)
+        if clocks:
+            self._leave_acks.append((identity, message.seq, clocks))
+        else:
+            self._send(identity, Message(MsgType.ACK, seq=message.seq))
         log.info("shard %d: worker %d left", self.shard_id, worker)
         for table in list(self._tables.values()):
             self._left_behind(table)
@@ -1674,6 +1735,8 @@ class ShardServer:
         self._dead.discard(worker)
         for table in self._tables.values():
             table.vclock[worker] = table.global_clock
+        # Its new process replays nothing before these clocks.
+        self._snapshot_clocks_of(worker)
         clock = self._job_clock()
         log.warning("shard %d: worker %d rejoined at clock %d",
                     self.shard_id, worker, clock)

@@ -1,0 +1,141 @@
+"""A shard restored after a worker left, died or rejoined loses nothing.
+
+Workers replay to a restored shard the updates its checkpoint lacks, but
+a worker that left (closed its client) or died took its replay log along,
+and one that rejoined holds nothing from before it rejoined. The shard
+therefore snapshots each table at that worker's clock and writes it (a
+LEAVE is answered once that checkpoint is on disk). These tests SIGKILL
+a real shard process after each event and restore it: the tables end as
+without the kill (counter tables: every worker adds 1 each clock).
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from keras_geeps import checkpoint
+from keras_geeps.launch import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+ROWS, WIDTH = 4, 4
+
+
+def _cluster(directory, policy):
+    return LocalCluster(1, 2, processes=True, output=None, shard_args=[
+        "--checkpoint-dir", str(directory), "--checkpoint-every", "2",
+        "--on-worker-failure", policy, "--worker-timeout", "1.5"])
+
+
+def _clients(cluster):
+    clients = [cluster.client(w, timeout=15, heartbeat_interval=0.2)
+               for w in range(2)]
+    return clients, [c.create_table("t", ROWS, WIDTH) for c in clients]
+
+
+def _step(pairs):
+    for client, table in pairs:
+        client.update(table, np.ones((ROWS, WIDTH), np.float32))
+        client.clock()
+
+
+def _on_disk(directory):
+    """(clock, value) of the table in the shard's latest checkpoint."""
+    tables, _ = checkpoint.load_job(str(directory), 0, 1, 2)
+    return tables[0][1], float(tables[0][2][0, 0])
+
+
+def _wait_on_disk(directory, clock):
+    deadline = time.monotonic() + 10
+    while _on_disk(directory)[0] < clock:
+        assert time.monotonic() < deadline, _on_disk(directory)
+        time.sleep(0.05)
+
+
+def _restart(cluster):
+    victim = cluster.shards[0]
+    victim.kill()
+    cluster.shards[0] = victim.restart(["--restore"])
+
+
+def _close_all(clients):
+    for client in clients:
+        client.close()
+
+
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_worker_that_left_keeps_its_updates(tmp_path, policy):
+    """Worker 1 finishes clock 3 (past the clock-2 checkpoint) and leaves;
+    its close returns once a checkpoint at 3 is on disk, so a restore
+    keeps its clock-2 update and the job neither stops blaming it nor
+    drops it."""
+    cluster = _cluster(tmp_path, policy)
+    try:
+        clients, tables = _clients(cluster)
+        for _ in range(3):
+            _step(zip(clients, tables))
+        assert clients[0].read(tables[0], clock=3)[0, 0] == 6.0
+        clients[1].close()
+        assert _on_disk(tmp_path) == (3, 6.0)
+        _restart(cluster)
+        np.testing.assert_array_equal(
+            clients[0].read(tables[0], clock=3), np.full((ROWS, WIDTH), 6))
+        stats = clients[0].shard_stats()[0]
+        assert stats["failed"] is None and stats["left_workers"] == [1]
+        assert stats["tables"]["0"]["vclock"] == [3, 3]
+        clients[0].close()
+    finally:
+        cluster.stop()
+
+
+def test_a_dead_workers_updates_survive_a_restore(tmp_path):
+    """Under "continue" worker 1 dies after clock 3: the shard snapshots
+    at 3 as it stops waiting for it, so a restore keeps its clock-2
+    update, and the job goes on with worker 0."""
+    cluster = _cluster(tmp_path, "continue")
+    try:
+        clients, tables = _clients(cluster)
+        for _ in range(3):
+            _step(zip(clients, tables))
+        clients[1]._io.close()  # dies: no LEAVE, no heartbeats
+        _wait_on_disk(tmp_path, 3)
+        assert _on_disk(tmp_path) == (3, 6.0)
+        _restart(cluster)
+        _step([(clients[0], tables[0])])
+        np.testing.assert_array_equal(
+            clients[0].read(tables[0], clock=4), np.full((ROWS, WIDTH), 7))
+        clients[0].close()
+    finally:
+        cluster.stop()
+
+
+def test_a_rejoined_worker_recovers_from_a_restore(tmp_path):
+    """Worker 1 dies after clock 2, worker 0 does clock 2 alone, a new
+    worker 1 rejoins at clock 3: the shard snapshots there, so a restore
+    does not ask the new process for updates it never made, and both
+    workers go on."""
+    cluster = _cluster(tmp_path, "continue")
+    try:
+        clients, tables = _clients(cluster)
+        for _ in range(2):
+            _step(zip(clients, tables))
+        clients[1]._io.close()
+        deadline = time.monotonic() + 15
+        while clients[0].shard_stats()[0]["dead_workers"] != [1]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        _step([(clients[0], tables[0])])
+        assert clients[0].read(tables[0], clock=3)[0, 0] == 5.0
+        clients[1] = cluster.client(1, timeout=15, heartbeat_interval=0.2)
+        tables[1] = clients[1].create_table("t", ROWS, WIDTH)
+        assert tables[1].clock == 3
+        _wait_on_disk(tmp_path, 3)
+        _restart(cluster)
+        _step(zip(clients, tables))
+        for client, table in zip(clients, tables):
+            np.testing.assert_array_equal(client.read(table, clock=4),
+                                          np.full((ROWS, WIDTH), 7))
+        _close_all(clients)
+    finally:
+        cluster.stop()
