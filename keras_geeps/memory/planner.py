@@ -36,22 +36,29 @@ count either. Tables are staged in first-access order (the first layers' data
 waits longest between its forward and backward use, so its prefetch has the
 most slack) until the rest fits; then, with `offload_activations="auto"`,
 activations are offloaded in the same order. Every pool size that could work is
-tried and the plan moving the fewest bytes per step is kept. A budget below the
-smallest total any plan reaches raises `MemoryBudgetError` naming that minimum.
+tried and the plan moving the fewest bytes per step is kept. The search is
+greedy, not exhaustive (it takes O(layers^2) steps): its smallest total, the
+`minimum_budget`, is the smallest budget it finds a plan for, and a budget
+below it raises `MemoryBudgetError` naming it. Rarely a plan the search does
+not reach fits in less (a move that frees little but enlarges the pool, taken
+first, can keep out a better one): `offload_activations` naming the layers may
+reach it.
 """
 
 import math
 import numbers
 
 from keras_geeps.errors import GeePSError
+from keras_geeps.memory.recorder import SWAPPABLE_DTYPES
 
 
 class MemoryBudgetError(GeePSError, ValueError):
-    """The device-memory budget cannot hold even the smallest plan.
+    """The device-memory budget is below every plan the planner finds.
 
     Attributes:
         budget: the budget asked for, in bytes.
-        minimum_budget: the smallest budget any plan fits in, in bytes.
+        minimum_budget: the smallest budget the planner finds a plan for,
+            in bytes (its search is greedy: see `plan`).
     """
 
     def __init__(self, budget, minimum_budget, detail=""):
@@ -59,8 +66,9 @@ class MemoryBudgetError(GeePSError, ValueError):
         self.minimum_budget = minimum_budget
         super().__init__(
             f"device_memory_budget={budget:,} bytes cannot hold the access "
-            f"pool and what must stay on the device; the minimum budget for "
-            f"this model and batch size is {minimum_budget:,} bytes "
+            f"pool and what must stay on the device in any plan the planner "
+            f"finds; the minimum budget it finds a plan for, for this model "
+            f"and batch size, is {minimum_budget:,} bytes "
             f"({minimum_budget / 2**20:.2f} MiB){detail}")
 
 
@@ -94,7 +102,8 @@ class MemoryPlan:
             forward to backward: each one output of the layer.
         device_bytes: resident + pool + activations on the device + tapes,
             the most the plan holds at once; within the budget.
-        minimum_budget: the smallest budget any plan fits in.
+        minimum_budget: the smallest budget the planner finds a plan for
+            (its search is greedy: see `plan`).
         traffic_bytes: host<->device bytes moved per step.
         prefetch_order: the staged accesses in the order the prefetcher
             brings them in: (position, item, bytes); a table's backward
@@ -320,9 +329,12 @@ def _offload_policy(sequence, offload_activations):
     first = sequence.first_with_params
     if offload_activations is None or offload_activations is False:
         return set(), set()
+    units = sequence.units
     if offload_activations == "auto":
-        # Only inputs kept for the backward pass can wait on the host.
-        return set(), set(range(first, len(names)))
+        # Only inputs kept for the backward pass can wait on the host, and
+        # only those the swap ops can copy.
+        return set(), {i for i in range(first, len(names))
+                       if units[i].offloadable}
     if isinstance(offload_activations, str):
         offload_activations = [offload_activations]
     if not isinstance(offload_activations, (list, tuple)) or not all(
@@ -342,6 +354,12 @@ def _offload_policy(sequence, offload_activations):
                 f"({names[first] if first < len(names) else 'none'}): no "
                 "gradient reaches it, so its input is never kept for the "
                 "backward pass and there is nothing to offload")
+        if not units[index].offloadable:
+            raise ValueError(
+                f"offload_activations names {name!r}, whose input is "
+                f"{units[index].input_dtype}: the swap ops copy only "
+                f"{', '.join(SWAPPABLE_DTYPES)} tensors, so it cannot wait "
+                "in host memory")
         forced.add(index)
     return forced, set(forced)
 
@@ -494,8 +512,17 @@ def plan(sequence, budget=None, offload_activations=None):
     Returns:
         A `MemoryPlan`.
 
+    The search is greedy (O(layers^2)): for each pool size it stages
+    tables, then offloads activations, in first-access order while the
+    total exceeds the budget. It is not exhaustive: rarely, a plan it does
+    not reach fits a budget below its `minimum_budget` (e.g. offloading a
+    later activation alone where taking an earlier one first enlarges the
+    pool and keeps the later one out); naming the activations in
+    `offload_activations` then reaches it.
+
     Raises:
-        MemoryBudgetError: the budget is below the minimum any plan needs.
+        MemoryBudgetError: the budget is below the smallest total the
+            search finds (`minimum_budget`).
 
     Example:
 

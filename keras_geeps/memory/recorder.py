@@ -25,6 +25,9 @@ import numpy as np
 from keras_geeps.checks import check_count
 
 KINDS = ("read", "update", "local")
+# The dtypes `keras_geeps.ops.swap_out` / `swap_in` copy (their op's "T").
+SWAPPABLE_DTYPES = ("float32", "float16", "bfloat16", "float64", "int32",
+                    "int64", "uint8")
 
 
 class UnitRecord:
@@ -49,15 +52,18 @@ class UnitRecord:
             its input in the backward pass).
         needs_output: the explicit backward reads the layer's output too.
         flops: forward multiply-adds x 2, an estimate for reports.
+        input_dtype: the dtype of its input ("float32", "int16"), or None
+            when unknown. The planner offloads only inputs of a dtype the
+            swap ops copy (`offloadable`).
     """
 
     __slots__ = ("index", "name", "param_bytes", "state_bytes", "input_bytes",
                  "output_bytes", "backward", "needs_output", "flops",
-                 "fixed_bytes")
+                 "fixed_bytes", "input_dtype")
 
     def __init__(self, index, name, param_bytes, input_bytes, output_bytes=0,
                  state_bytes=0, backward="autodiff", needs_output=False,
-                 flops=0, fixed_bytes=0):
+                 flops=0, fixed_bytes=0, input_dtype=None):
         if backward not in ("explicit", "autodiff"):
             raise ValueError(f"backward must be 'explicit' or 'autodiff', "
                              f"not {backward!r}")
@@ -80,10 +86,19 @@ class UnitRecord:
         self.needs_output = bool(needs_output)
         self.flops = int(flops)
         self.fixed_bytes = int(fixed_bytes)
+        self.input_dtype = None if input_dtype is None else str(input_dtype)
 
     @property
     def has_params(self):
         return self.param_bytes > 0
+
+    @property
+    def offloadable(self):
+        """Whether its input can wait in host memory: the swap ops
+        (`keras_geeps.ops.swap_out` / `swap_in`) copy its dtype (an
+        unknown dtype is taken to be one they copy)."""
+        return self.input_dtype is None or \
+            self.input_dtype in SWAPPABLE_DTYPES
 
     @property
     def table_bytes(self):
@@ -265,9 +280,18 @@ def chain_layers(model):
     (`LayerwiseTrainer._verify_chain`).
 
     Raises:
-        ValueError: the model is not built or has no layers.
+        ValueError: the model is no `keras.Sequential` and no functional
+            model (`keras.Model(inputs, outputs)`), is not built or has no
+            layers.
     """
     import keras  # noqa: PLC0415
+    from keras.src.models.functional import Functional  # noqa: PLC0415
+    if not isinstance(model, (keras.Sequential, Functional)):
+        raise ValueError(
+            f"{type(model).__name__} is a subclassed model (its call() "
+            "runs whatever it codes): the layer-wise trainer takes a "
+            "keras.Sequential or a functional model (keras.Model(inputs, "
+            "outputs)) whose layers form a chain")
     if not model.built:
         raise ValueError("the model must be built (give it a keras.Input or "
                          "call model.build) before its step is recorded")
@@ -376,6 +400,7 @@ def record_model(model, batch_size, state_bytes=None, layers=None,
             needs_output=needs_output,
             flops=_dense_flops(layer, spec.shape),
             fixed_bytes=(fixed_bytes[i] if fixed_bytes is not None else
-                         _variable_bytes(layer.non_trainable_variables))))
+                         _variable_bytes(layer.non_trainable_variables)),
+            input_dtype=spec.dtype))
         spec = out
     return AccessSequence(units, batch_size=batch_size)

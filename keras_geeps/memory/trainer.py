@@ -139,7 +139,39 @@ def _clone_optimizer(optimizer):
     if type(optimizer).__name__ == "LossScaleOptimizer":
         raise ValueError("LossScaleOptimizer is not supported by the "
                          "layer-wise trainer")
-    return type(optimizer).from_config(config)
+    clone = type(optimizer).from_config(config)
+    # `exclude_from_weight_decay()` is no part of the config. What it set
+    # names variables (by their key, the same for every copy) or a pattern
+    # of their names: each copy excludes the same ones.
+    for attr in _WEIGHT_DECAY_EXCLUSIONS:
+        if hasattr(optimizer, attr):
+            value = getattr(optimizer, attr)
+            setattr(clone, attr, set(value) if isinstance(value, set)
+                    else value)
+    clone._exclude_from_weight_decay_cache = {}
+    return clone
+
+
+# Set by `optimizer.exclude_from_weight_decay()`.
+_WEIGHT_DECAY_EXCLUSIONS = ("_exclude_from_weight_decay",
+                            "_exclude_from_weight_decay_pattern")
+
+
+def _check_fresh(optimizer):
+    """Refuses an optimizer that has state already (it has taken steps, or
+    is built): the per-layer copies start from none."""
+    iterations = int(tf.convert_to_tensor(optimizer.iterations).numpy())
+    if iterations or optimizer.built:
+        raise ValueError(
+            f"the optimizer has state already ({iterations} iterations"
+            + (f", built for {len(optimizer._trainable_variables)} "
+               f"variables" if optimizer.built else "")
+            + "): the layer-wise trainer updates each layer with its own "
+            "copy of the optimizer, made from its config, and such a copy "
+            "would start from no state (no step count, no moments), "
+            "silently. Give it an optimizer that has not been used or "
+            "built (e.g. type(opt).from_config(opt.get_config()) to start "
+            "afresh)")
 
 
 class _Unit:
@@ -181,6 +213,7 @@ class _Unit:
         self.fill_params = fn(self._fill_params)
         self.fill_all = fn(self._fill_all)
         self.empty_params = fn(self._empty_params)
+        self.empty_all = fn(self._empty_all)
         self.stash = fn(self._stash)
         self.apply = fn(self._apply)
         self.backward_explicit = fn(self._backward_explicit)
@@ -191,18 +224,28 @@ class _Unit:
         return bool(self.params)
 
     # ---------------------------------------------------------- compute
-    def _forward(self, x):
-        return self.layer(x, training=True)
+    def _forward(self, x, mask=None):
+        """The layer's forward; returns (output, the output's Keras mask or
+        None). `mask`, the input's Keras mask (e.g. an `Embedding` with
+        `mask_zero=True` made it), is attached to the input as the previous
+        layer's call would have attached it to its output, so the layer
+        takes it and computes its output's mask as in a Keras model."""
+        from keras.src import backend  # noqa: PLC0415
+        if mask is not None:
+            backend.set_keras_mask(x, mask)
+        y = self.layer(x, training=True)
+        return y, backend.get_keras_mask(y)
 
-    def taped_forward(self, x):
-        """Runs the forward under a tape watching what the gradient needs."""
+    def taped_forward(self, x, mask=None):
+        """Runs the forward under a tape watching what the gradient needs;
+        returns (tape, output, output mask)."""
         tape = tf.GradientTape(watch_accessed_variables=False)
         with tape:
             if self.want_dx:
                 tape.watch(x)
             tape.watch(self.tf_params)
-            y = self.forward(x)
-        return tape, y
+            y, y_mask = self.forward(x, mask)
+        return tape, y, y_mask
 
     def tape_gradient(self, tape, x, y, dy):
         sources = ([x] if self.want_dx else []) + self.tf_params
@@ -284,8 +327,14 @@ class _Unit:
         self._fill(self.tf_all, hosts)
 
     def _empty_params(self):
+        self._empty(self.tf_params)
+
+    def _empty_all(self):
+        self._empty(self.tf_all)
+
+    def _empty(self, variables):
         with tf.device(self.device):
-            for v in self.tf_params:
+            for v in variables:
                 swapping.empty_variable(v)
 
     def _stash(self):
@@ -299,13 +348,25 @@ class _Unit:
 
 def _batch_mean(loss):
     """`loss` made to return a scalar: its per-sample values averaged (a
-    scalar is its own mean), as `model.compile` reduces a loss."""
+    scalar is its own mean), as `model.compile` reduces a loss. Given the
+    model output's Keras mask, the loss is weighted by it as Keras weighs
+    it (a callable that is no `keras.losses.Loss` is wrapped in Keras'
+    `LossFunctionWrapper` first, as `model.compile` wraps it)."""
+    import keras  # noqa: PLC0415
+    from keras.src import backend  # noqa: PLC0415
+    from keras.src.losses.losses import \
+        LossFunctionWrapper  # noqa: PLC0415
     if not callable(loss):
         raise TypeError(f"loss must be a Keras loss, its name or a callable "
                         f"loss(y_true, y_pred), got {type(loss).__name__}")
 
-    def mean_loss(y_true, y_pred):
-        return tf.reduce_mean(loss(y_true, y_pred))
+    def mean_loss(y_true, y_pred, mask=None):
+        if mask is None:
+            return tf.reduce_mean(loss(y_true, y_pred))
+        backend.set_keras_mask(y_pred, mask)
+        masked = loss if isinstance(loss, keras.losses.Loss) else \
+            LossFunctionWrapper(loss)
+        return tf.reduce_mean(masked(y_true, y_pred))
     return mean_loss
 
 
@@ -321,9 +382,13 @@ class LayerwiseTrainer:
     computed.
 
     The model must be a chain of layers (`keras.Sequential`, or a
-    functional model checked to behave as one). Layer regularisation losses
-    are not added to the loss; the optimizer is copied per layer (so
-    `global_clipnorm` and `LossScaleOptimizer` are refused).
+    functional model checked to behave as one; a subclassed model is
+    refused). Keras masks are carried from layer to layer (and a masked
+    output's mask weights the loss), as in the model. Layer regularisation
+    losses are not added to the loss; the optimizer is copied per layer,
+    from its config and its `exclude_from_weight_decay` settings (so
+    `global_clipnorm` and `LossScaleOptimizer` are refused, and so is an
+    optimizer that has state already: its copies would start without it).
 
     Between steps the staged layers' variables hold no storage: call
     `materialize()` (or `GeePSStrategy.sync()`) before evaluating, predicting
@@ -347,8 +412,9 @@ class LayerwiseTrainer:
 
     Args:
         model: a built Keras model (chain of layers).
-        optimizer: a Keras optimizer (copied per layer), or its name
-            ("sgd", "adam"), as `model.compile` takes it.
+        optimizer: a Keras optimizer (copied per layer) that has taken no
+            step and is not built, or its name ("sgd", "adam"), as
+            `model.compile` takes it.
         loss: a Keras loss, its name ("mse"), or a callable
             `loss(y_true, y_pred)`; per-sample losses are averaged over
             the batch, as `model.compile` reduces them.
@@ -397,6 +463,7 @@ class LayerwiseTrainer:
                 "(their variables are empty between its steps): close() it "
                 "before making a new one")
         optimizer = keras.optimizers.get(optimizer)
+        _check_fresh(optimizer)
         loss = _batch_mean(keras.losses.get(loss) if isinstance(loss, str)
                            else loss)
         if device is None:
@@ -737,6 +804,7 @@ class LayerwiseTrainer:
         self._hold(0, x, "activations")
         del x
         tapes, states, offload_jobs, release_jobs = {}, {}, {}, {}
+        masks = {0: None}  # index -> the Keras mask on activation index
 
         # ----- forward, layer by layer
         for unit in units:
@@ -753,12 +821,15 @@ class LayerwiseTrainer:
             needed = i >= self._first_needed
             mode = plan.modes[i]
             if needed and mode == "taped":
-                tapes[i], yi = unit.taped_forward(xi)
+                tapes[i], yi, masks[i + 1] = unit.taped_forward(xi, masks[i])
             elif needed and mode == "recompute":
                 states[i] = unit.snapshot_state()
-                _, yi = unit.taped_forward(xi)  # the same computation
+                # the same computation
+                _, yi, masks[i + 1] = unit.taped_forward(xi, masks[i])
             else:
-                yi = unit.forward(xi)
+                yi, masks[i + 1] = unit.forward(xi, masks[i])
+            if not needed or mode != "recompute":
+                masks.pop(i)  # only a recompute needs it again
             del xi
             if i in forward_jobs:
                 release_jobs[i] = self.writer.submit(
@@ -789,7 +860,7 @@ class LayerwiseTrainer:
         with tf.device(self.device):
             with tf.GradientTape() as tape:
                 tape.watch(out)
-                loss = self._loss(y, out)
+                loss = self._loss(y, out, masks.pop(count))
             dy = tape.gradient(loss, out)
         del out, tape
 
@@ -816,7 +887,7 @@ class LayerwiseTrainer:
                 # the forward's non-trainable state and random draws again;
                 # the global seed generator then goes on as it would have
                 seed_now = unit.restore_state(states.pop(i))
-                tape, yi = unit.taped_forward(xi)
+                tape, yi, _ = unit.taped_forward(xi, masks.pop(i))
                 dx, grads = unit.tape_gradient(tape, xi, yi, dy)
                 del tape
                 _global_seed_state().assign(seed_now)
@@ -911,17 +982,46 @@ class LayerwiseTrainer:
     def materialize(self):
         """Gives every staged layer its variables back (outside the budget),
         so the model can be evaluated, saved or synced. The next
-        `train_step` stages them out again."""
+        `train_step` stages them out again.
+
+        All or nothing: if filling a layer fails (e.g. the device is out of
+        memory: materialized weights are outside the budget), the layers
+        filled so far are emptied again (the host store, untouched, still
+        holds their values), the trainer stays as it was (not
+        `materialized`) and the error is raised; calling it again retries.
+        """
         if self._materialized:
             return
         self.writer.drain()
+        filled, counted = [], []
+        try:
+            for unit in self.units:
+                if self.plan.staged[unit.index]:
+                    with self._locked():
+                        filled.append(unit)
+                        unit.fill_all(self.store.get(unit.index))
+                        self.ledger.change("materialized", unit.table_bytes,
+                                           f"materialize {unit.name}")
+                        counted.append(unit)
+        except BaseException:
+            self._unfill(filled, counted)
+            raise
         self._materialized = True
-        for unit in self.units:
-            if self.plan.staged[unit.index]:
+
+    def _unfill(self, filled, counted):
+        """Empties the staged layers a failed `materialize()` filled (their
+        values are still in the host store); if even that fails, the
+        trainer is marked broken, so the model's weights are not read."""
+        try:
+            for unit in reversed(filled):
                 with self._locked():
-                    unit.fill_all(self.store.get(unit.index))
-                    self.ledger.change("materialized", unit.table_bytes,
-                                       f"materialize {unit.name}")
+                    unit.empty_all()
+                    if unit in counted:
+                        self.ledger.change("materialized", -unit.table_bytes,
+                                           f"unfill {unit.name}")
+        except BaseException:
+            self._broken = True
+            raise
 
     def _guard_model(self):
         """Makes the model's weight readers (`get_weights`, `save_weights`,
@@ -947,7 +1047,7 @@ class LayerwiseTrainer:
         def guarded(*args, **kwargs):
             if not self._closed and not self._broken:
                 self.materialize()
-            elif not self.materialized and self._broken:
+            elif not self.materialized:
                 raise GeePSError(
                     "an earlier step failed midway: the staged layers' "
                     "weights are not in the model's variables")
@@ -995,6 +1095,12 @@ class LayerwiseTrainer:
         """Gives the staged layers their variables back (the model then
         holds all its weights) and stops the background threads.
 
+        If giving the weights back fails (e.g. the device is out of memory:
+        materialized weights are outside the budget), the error is raised
+        and the trainer stays open as it was (`materialize()`): the host
+        store keeps the staged layers' values and `close()` can be called
+        again.
+
         After a step that failed midway the staged layers get the values
         last written back to the host store (a layer the failed step had
         not written back yet lacks that step's update), with a warning; if
@@ -1003,10 +1109,10 @@ class LayerwiseTrainer:
         """
         if self._closed:
             return
+        if not self._broken:
+            self.materialize()  # raises with the trainer open, as it was
         try:
-            if not self._broken:
-                self.materialize()
-            else:
+            if self._broken:
                 self._recover_weights()
         finally:
             self._closed = True
@@ -1026,7 +1132,7 @@ class LayerwiseTrainer:
         try:
             self.materialize()
         except Exception as exc:  # noqa: BLE001 - reported, weights guarded
-            self._materialized = False  # (some may be empty still)
+            # (materialize() emptied what it filled: not materialized)
             warnings.warn(f"the layer-wise trainer closed after a failed "
                           f"step and could not restore the staged layers' "
                           f"weights ({exc}): the model's weights cannot be "

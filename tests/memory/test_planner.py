@@ -221,3 +221,49 @@ def test_bad_records_and_policies_are_named():
     for budget in [float("inf"), float("nan"), -1, True, "1000"]:
         with pytest.raises(ValueError, match="budget must be a positive"):
             plan(seq, budget=budget)
+
+
+def offload_chain(first_dtype):
+    """Inputs much larger than the tables: offloading them pays."""
+    return AccessSequence(
+        [UnitRecord(0, "embedding", 400, 4000, 4000,
+                    input_dtype=first_dtype)]
+        + [UnitRecord(i, f"conv{i}", 400, 4000, 4000, input_dtype="float32")
+           for i in range(1, 6)])
+
+
+@pytest.mark.parametrize("dtype", ["int16", "int8", "bool"])
+def test_inputs_the_swap_ops_cannot_copy_are_never_offloaded(dtype):
+    floats = offload_chain("float32")
+    lowest = plan(floats, offload_activations="auto").minimum_budget
+    assert plan(floats, lowest, offload_activations="auto").offloaded[0]
+    seq = offload_chain(dtype)
+    minimum = plan(seq, offload_activations="auto").minimum_budget
+    assert minimum > lowest
+    for budget in range(minimum, plan(seq).device_bytes + 1, 500):
+        assert not plan(seq, budget, "auto").offloaded[0]
+    with pytest.raises(ValueError, match=f"'embedding', whose input is "
+                                         f"{dtype}: the swap ops copy only"):
+        plan(seq, offload_activations=["embedding", "conv1"])
+
+
+def test_the_minimum_budget_is_the_searchs_and_says_so():
+    """The search is greedy: here offloading the first input (taken first)
+    enlarges the pool and keeps out offloading the second alone, a plan
+    that fits 100 bytes less. The error says what the minimum is: the
+    smallest budget the planner finds a plan for; naming the activation
+    reaches the better plan."""
+    seq = AccessSequence([
+        UnitRecord(0, "dense", 4000, 50, 50, state_bytes=4000,
+                   backward="explicit", needs_output=True, fixed_bytes=100),
+        UnitRecord(1, "act", 0, 50, 200)])
+    minimum = plan(seq, offload_activations="auto").minimum_budget
+    assert minimum == 8600
+    with pytest.raises(MemoryBudgetError,
+                       match="in any plan the planner finds; the minimum "
+                             "budget it finds a plan for") as info:
+        plan(seq, 8500, offload_activations="auto")
+    assert info.value.minimum_budget == minimum
+    better = plan(seq, 8500, offload_activations=["act"])
+    assert better.device_bytes == 8500 and better.offloaded == [False, True]
+    assert "greedy" in plan.__doc__ and "greedy" in MemoryBudgetError.__doc__
