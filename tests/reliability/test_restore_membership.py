@@ -41,8 +41,11 @@ def _step(pairs):
 
 
 def _on_disk(directory):
-    """(clock, value) of the table in the shard's latest checkpoint."""
+    """(clock, value) of the table in the shard's latest checkpoint;
+    (-1, None) while no checkpoint holds it yet."""
     tables, _ = checkpoint.load_job(str(directory), 0, 1, 2)
+    if 0 not in tables:
+        return -1, None
     return tables[0][1], float(tables[0][2][0, 0])
 
 
