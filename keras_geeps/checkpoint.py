@@ -55,6 +55,7 @@ created it, which keeps the initial rows until a checkpoint holds them,
 and every worker replays it from clock 0.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -196,21 +197,22 @@ def _write_composite(target, latest_path, sources):
     snapshot from the file `sources` names, with the latest file's other
     meta. Rows are copied between the archives as they are stored, a
     megabyte at a time (no table is read whole into memory)."""
-    meta = read_meta(latest_path)
-    tables = {}
-    for tid, source in sources.items():
-        tables[tid] = read_meta(source)["tables"][tid]
-    meta["tables"] = tables
+    files = {latest_path, *sources.values()}  # two at most
+    metas = {path: read_meta(path) for path in files}
+    meta = dict(metas[latest_path], tables={
+        tid: metas[source]["tables"][tid] for tid, source in sources.items()})
     header = io.BytesIO()
     np.save(header, np.frombuffer(json.dumps(meta).encode(), np.uint8))
-    with open(target, "wb") as f:
+    with contextlib.ExitStack() as stack:
+        archives = {path: stack.enter_context(zipfile.ZipFile(path))
+                    for path in files}
+        f = stack.enter_context(open(target, "wb"))
         with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED,
                              allowZip64=True) as out:
             out.writestr("meta.npy", header.getvalue())
             for tid, source in sources.items():
                 name = f"table_{tid}.npy"
-                with zipfile.ZipFile(source) as archive, \
-                        archive.open(name) as rows, \
+                with archives[source].open(name) as rows, \
                         out.open(name, "w", force_zip64=True) as copy:
                     shutil.copyfileobj(rows, copy, 1 << 20)
         f.flush()

@@ -1395,6 +1395,15 @@ class ShardServer:
         if table.snapshot_at:
             table.snapshot_at = {c for c in table.snapshot_at if c > clock}
 
+    @staticmethod
+    def _snapshot_cost(table):
+        """Bytes a new snapshot of `table` adds: none where it replaces a
+        copy of its own (one that is the rows themselves, at creation or
+        restore, is no copy)."""
+        copied = table.snapshot is not None and table.snapshot[1] is not \
+            table.data
+        return 0 if copied else table.nbytes
+
     def _snapshot_clocks_of(self, worker):
         """Has every table snapshot at the clock `worker` finished, where
         no checkpoint holds that clock yet: a worker that left, died (the
@@ -1418,9 +1427,8 @@ class ShardServer:
             if table.snapshot is not None and table.snapshot[0] >= clock:
                 continue  # one at (or past) it waits for the writer
             if clock == table.global_clock:
-                if table.snapshot is not None and \
-                        table.snapshot[1] is not table.data or \
-                        self._room_for(table.nbytes):
+                extra = self._snapshot_cost(table)
+                if not extra or self._room_for(extra):
                     table.snapshot = (clock, table.data.copy())
                 else:
                     log.warning("shard %d: no memory to snapshot table %r "
@@ -1451,8 +1459,7 @@ class ShardServer:
         # max_table_bytes: a table with no snapshot of its own gains one.
         stale = [t for t in self._tables.values() if t.ready and (
             t.snapshot is None or t.snapshot[0] != t.global_clock)]
-        extra = sum(t.nbytes for t in stale
-                    if t.snapshot is None or t.snapshot[1] is t.data)
+        extra = sum(self._snapshot_cost(t) for t in stale)
         if extra and not self._room_for(extra):
             raise RequestError(
                 f"no memory to snapshot the tables for a checkpoint "

@@ -38,8 +38,8 @@ class Table:
         self.held = {}  # clock -> [Update] (deterministic_sums)
         self.subscribers = set()
         self.snapshot = None      # (clock, rows) taken for the next write
-        # Clocks past K's multiples to snapshot at too: a worker that left
-        # or died there, whose updates no worker could replay.
+        # Clocks past K's multiples to snapshot at too: where a worker
+        # left, died or rejoined, whose updates no worker could replay.
         self.snapshot_at = set()
         self.lent = None          # (clock, worker, rows, SharedBuffer)
         self.ckpt_clock = -1      # clock of the durable (written) snapshot
