@@ -333,7 +333,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
 
         Args:
             model: a built Keras model that is a chain of layers.
-            optimizer: a Keras optimizer (copied per layer), or its name.
+            optimizer: a Keras optimizer (copied per layer, with its
+                state; `close()` gives it the copies' state back), or
+                its name.
             loss: a Keras loss, its name, or `loss(y_true, y_pred)`;
                 per-sample losses are averaged over the batch.
             batch_size: the per-worker batch size.

@@ -157,21 +157,57 @@ _WEIGHT_DECAY_EXCLUSIONS = ("_exclude_from_weight_decay",
                             "_exclude_from_weight_decay_pattern")
 
 
-def _check_fresh(optimizer):
-    """Refuses an optimizer that has state already (it has taken steps, or
-    is built): the per-layer copies start from none."""
-    iterations = int(tf.convert_to_tensor(optimizer.iterations).numpy())
-    if iterations or optimizer.built:
-        raise ValueError(
-            f"the optimizer has state already ({iterations} iterations"
-            + (f", built for {len(optimizer._trainable_variables)} "
-               f"variables" if optimizer.built else "")
-            + "): the layer-wise trainer updates each layer with its own "
-            "copy of the optimizer, made from its config, and such a copy "
-            "would start from no state (no step count, no moments), "
-            "silently. Give it an optimizer that has not been used or "
-            "built (e.g. type(opt).from_config(opt.get_config()) to start "
-            "afresh)")
+def _named_state(optimizer):
+    """{name: variable} of `optimizer`'s per-variable state (its slots:
+    Keras names each `{model variable's path}_{kind}`, the same in every
+    copy built for that variable); iterations and the learning rate are
+    not in it."""
+    own = {id(optimizer.iterations)}
+    rate = getattr(optimizer, "_learning_rate", None)
+    if rate is not None:
+        own.add(id(rate))
+    named = {}
+    for v in optimizer.variables:
+        if id(v) in own:
+            continue
+        if v.name in named:
+            raise ValueError(
+                f"the optimizer holds two state variables named {v.name!r}: "
+                f"the layer-wise trainer cannot tell which layer's each is")
+        named[v.name] = v
+    return named
+
+
+def _has_state(optimizer):
+    return optimizer.built or \
+        int(tf.convert_to_tensor(optimizer.iterations).numpy()) > 0
+
+
+def _carry_state_in(optimizer, units):
+    """Starts each layer's optimizer copy from `optimizer`'s state: its step
+    count and, for each of the layer's variables, its slots (moments,
+    accumulators), matched by name. Refuses a state built for other
+    variables (a copy would start from none of it, silently)."""
+    if not _has_state(optimizer):
+        return
+    named = _named_state(optimizer) if optimizer.built else {}
+    for unit in units:
+        if unit.optimizer is None:
+            continue
+        unit.optimizer.iterations.assign(optimizer.iterations)
+        for v in unit.state:
+            source = named.get(v.name)
+            if source is None or tuple(source.shape) != tuple(v.shape):
+                built = (f"built for {len(optimizer._trainable_variables)} "
+                         f"variables" if optimizer.built else "not built")
+                raise ValueError(
+                    f"the optimizer has state ({built}) but no {v.name!r} "
+                    f"of shape {tuple(v.shape)} for layer {unit.name!r}: it "
+                    f"was used for other variables than this model's, and "
+                    f"the layer's copy would start without it. Give it an "
+                    f"optimizer built for this model, or a fresh one "
+                    f"(type(opt).from_config(opt.get_config()))")
+            v.assign(source)
 
 
 class _Unit:
@@ -387,8 +423,12 @@ class LayerwiseTrainer:
     output's mask weights the loss), as in the model. Layer regularisation
     losses are not added to the loss; the optimizer is copied per layer,
     from its config and its `exclude_from_weight_decay` settings (so
-    `global_clipnorm` and `LossScaleOptimizer` are refused, and so is an
-    optimizer that has state already: its copies would start without it).
+    `global_clipnorm` and `LossScaleOptimizer` are refused). Each copy
+    starts from the optimizer's state (its step count and the layer's
+    slots, where it has taken steps or is built, as under `model.fit`; one
+    built for other variables is refused), and `close()` gives the
+    optimizer the state the copies reached, building it if need be: a later
+    trainer (or `model.fit`) with the same optimizer goes on from there.
 
     Between steps the staged layers' variables hold no storage: call
     `materialize()` (or `GeePSStrategy.sync()`) before evaluating, predicting
@@ -412,9 +452,8 @@ class LayerwiseTrainer:
 
     Args:
         model: a built Keras model (chain of layers).
-        optimizer: a Keras optimizer (copied per layer) that has taken no
-            step and is not built, or its name ("sgd", "adam"), as
-            `model.compile` takes it.
+        optimizer: a Keras optimizer (copied per layer, with its state),
+            or its name ("sgd", "adam"), as `model.compile` takes it.
         loss: a Keras loss, its name ("mse"), or a callable
             `loss(y_true, y_pred)`; per-sample losses are averaged over
             the batch, as `model.compile` reduces them.
@@ -462,8 +501,13 @@ class LayerwiseTrainer:
                 "another LayerwiseTrainer holds this model's staged layers "
                 "(their variables are empty between its steps): close() it "
                 "before making a new one")
+        given = optimizer
         optimizer = keras.optimizers.get(optimizer)
-        _check_fresh(optimizer)
+        if _has_state(optimizer):
+            _named_state(optimizer)  # refuses ambiguous names, early
+        # The user's optimizer gets the copies' state back at close();
+        # one made here from a name or config has no reader.
+        self._optimizer = optimizer if optimizer is given else None
         loss = _batch_mean(keras.losses.get(loss) if isinstance(loss, str)
                            else loss)
         if device is None:
@@ -487,6 +531,7 @@ class LayerwiseTrainer:
             _Unit(i, layer, _clone_optimizer(optimizer)
                   if layer.trainable_variables else None, device)
             for i, layer in enumerate(self.layers)]
+        _carry_state_in(optimizer, self.units)
         self.sequence = record_model(
             model, batch_size, layers=self.layers, fixed_bytes=fixed,
             state_bytes=[u.table_bytes - u.param_bytes for u in self.units])
@@ -1093,7 +1138,10 @@ class LayerwiseTrainer:
 
     def close(self):
         """Gives the staged layers their variables back (the model then
-        holds all its weights) and stops the background threads.
+        holds all its weights), gives the optimizer the state its per-layer
+        copies reached (its step count and slots; it is built for the
+        model's variables first if it was not; an optimizer given by name
+        is no one's and gets nothing) and stops the background threads.
 
         If giving the weights back fails (e.g. the device is out of memory:
         materialized weights are outside the budget), the error is raised
@@ -1103,7 +1151,8 @@ class LayerwiseTrainer:
 
         After a step that failed midway the staged layers get the values
         last written back to the host store (a layer the failed step had
-        not written back yet lacks that step's update), with a warning; if
+        not written back yet lacks that step's update), with a warning, and
+        the optimizer keeps the state it had; if
         even that fails, reading or writing the model's weights keeps
         raising `GeePSError` rather than giving empty ones.
         """
@@ -1111,6 +1160,7 @@ class LayerwiseTrainer:
             return
         if not self._broken:
             self.materialize()  # raises with the trainer open, as it was
+            self._carry_state_out()  # (so does this)
         try:
             if self._broken:
                 self._recover_weights()
@@ -1121,6 +1171,33 @@ class LayerwiseTrainer:
             self.pool.close()
             self.prefetcher.close()
             self.writer.close()
+
+    def _carry_state_out(self):
+        """Gives the optimizer the trainer was given the state its
+        per-layer copies reached (building it for the model's variables
+        first, where it was not built): a later trainer, `model.fit` or a
+        checkpoint of the optimizer goes on from there. Then empties the
+        copies' slots: after close() the trainer holds nothing."""
+        optimizer = self._optimizer
+        units = [u for u in self.units if u.optimizer is not None]
+        if optimizer is None or not units:
+            return
+        if not optimizer.built:
+            with tf.device(self.device):
+                optimizer.build(self.model.trainable_variables)
+        named = _named_state(optimizer)
+        missing = [v.name for u in units for v in u.state
+                   if v.name not in named]
+        if missing:
+            raise GeePSError(
+                f"the optimizer has no state variables named {missing[:3]} "
+                f"to take the layers' state back")
+        for unit in units:
+            for v in unit.state:
+                named[v.name].assign(v)
+        optimizer.iterations.assign(units[0].optimizer.iterations)
+        for unit in units:
+            unit._empty(unit.tf_state)
 
     def _recover_weights(self):
         """After a failed step: the staged layers' variables from the host
@@ -1141,4 +1218,6 @@ class LayerwiseTrainer:
         warnings.warn("the layer-wise trainer closed after a failed step: "
                       "its staged layers hold the values last written back "
                       "(a layer the failed step had not written back lacks "
-                      "that step's update)", RuntimeWarning, stacklevel=3)
+                      "that step's update); the optimizer keeps the state "
+                      "it had before the trainer", RuntimeWarning,
+                      stacklevel=3)
