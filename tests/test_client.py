@@ -796,6 +796,103 @@ def test_foreign_tables_repeated_tables_and_lossy_outs_are_refused(
         np.testing.assert_array_equal(a.read(ta), 5.75)
 
 
+def test_updates_and_inits_a_conversion_would_change_are_refused(
+        thread_cluster):
+    """A value the table's dtype cannot hold is refused, naming the table,
+    instead of truncated or wrapped (0.5 -> 0, 1e10 -> -2**31)."""
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=10) as client:
+        counts = client.create_table("counts", 2, 2, dtype="int32")
+        for delta, pattern in (
+                (np.full((2, 2), 0.5), r"it holds float64 values"),
+                (np.full((2, 2), 1e10), r"it holds float64 values"),
+                (np.full((2, 2), 2**40), r"it holds values in "
+                                         r"\[1099511627776, 1099511627776\],"
+                                         r" beyond")):
+            with pytest.raises(ValueError, match="update of table 'counts' "
+                                                 "cannot be int32: " +
+                                                 pattern):
+                client.update(counts, delta)
+        with pytest.raises(ValueError, match=r"table 'g': init cannot be "
+                                             r"int32: it holds float64"):
+            client.create_table("g", 1, 2, dtype="int32",
+                                init=[np.nan, 2.7])
+        client.update(counts, [[1, 2], [3, 4]])        # python ints
+        client.update(counts, np.ones((2, 2), np.uint8))
+        floats = client.create_table("floats", 2, 2)   # float32
+        client.update(floats, np.full((2, 2), 0.25))   # float64: rounds
+        client.clock()
+        np.testing.assert_array_equal(client.read(counts),
+                                      [[2, 3], [4, 5]])
+        np.testing.assert_array_equal(client.read(floats), 0.25)
+
+
+def test_a_shard_list_in_another_order_is_refused_at_once(thread_cluster):
+    """A worker whose shard list is out of order (or names a shard twice)
+    would place tables on the wrong shards and time out later, blaming
+    another worker: the shards' WELCOME names who they are."""
+    cluster = thread_cluster(2, 1)
+    shards = list(cluster.spec(0).shards)
+    host, port = shards[0].rsplit(":", 1)
+    for wrong in (shards[::-1], [shards[0], "tcp://localhost:" + port]):
+        started = time.monotonic()
+        with pytest.raises(GeePSError, match=r"the cluster's shard 0, says "
+                           r"it is shard 1|the cluster's shard 1, says it "
+                           r"is shard 0"):
+            GeePSClient(ClusterSpec(wrong, 1, 0), timeout=10)
+        assert time.monotonic() - started < 5  # not a timeout
+    with cluster.client(0, timeout=10) as client:  # the right order works
+        client.create_table("t", 4, 2)
+
+
+def test_local_handles_and_non_array_outs_are_named(thread_cluster):
+    cluster = thread_cluster(1, 1)
+    with cluster.client(0, timeout=10) as client:
+        table = client.create_table("t", 2, 2)
+        with client.virtual_iteration() as vi:
+            local = vi.local("activations", 1024)
+        for call in (lambda: client.read(local),
+                     lambda: client.update(local, np.ones((2, 2)))):
+            with pytest.raises(TypeError, match="is a local access"):
+                call()
+        with pytest.raises(TypeError, match="out must be a numpy array, "
+                                            "got list"):
+            client.read(table, out=[[0, 0], [0, 0]])
+
+
+def _mapped_memfd_bytes():
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "memfd:" in line:
+                low, high = (int(x, 16) for x in line.split()[0].split("-"))
+                total += high - low
+    return total
+
+
+def test_a_closed_client_kept_as_an_object_holds_no_table_memory(
+        process_cluster):
+    """Its cached rows, upload buffers and mappings of the shard's buffers
+    go at close(), not when the object is collected."""
+    cluster = process_cluster(1, 1, output=None)
+    gc.collect()
+    before = _mapped_memfd_bytes()
+    kept = []
+    for _ in range(2):
+        client = cluster.client(0, timeout=30, shared_memory=True)
+        table = client.create_table("big", 1024, 4096)  # 16 MiB
+        client.update(table, np.ones((1024, 4096), np.float32))
+        client.clock()
+        client.read(table)
+        assert _mapped_memfd_bytes() - before >= 16 << 20
+        client.close()
+        kept.append(client)
+        gc.collect()
+        assert _mapped_memfd_bytes() - before < 1 << 20
+        with pytest.raises(GeePSError, match="the client is closed"):
+            client.read(table)
+
+
 def test_a_clock_that_times_out_clocks_no_table(tmp_path):
     """Table a's shard writes checkpoints, table b's cannot (its folder
     became a file): b's replay log fills and clock() times out. It used to

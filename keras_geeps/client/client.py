@@ -91,6 +91,33 @@ def _close_at_exit(client):
     return close
 
 
+def _as_table_dtype(values, dtype, what):
+    """`values` as a `dtype` array, refusing a conversion that would change
+    them: to another kind (floats truncated to ints, NaN to an int) or out
+    of an integer dtype's range. Float to a narrower float (float64
+    gradients into a float32 table) rounds, as any float update does.
+
+    Raises:
+        ValueError: naming `what`, the values' dtype and the table's.
+    """
+    values = np.asarray(values)
+    if values.dtype == dtype:
+        return values
+    if not np.can_cast(values.dtype, dtype, "same_kind"):
+        raise ValueError(
+            f"{what} cannot be {dtype}: it holds {values.dtype} values, "
+            f"which converting would change (truncate) or fail on; give "
+            f"it {dtype} values")
+    if dtype.kind in "iu" and values.size and values.dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        low, high = values.min(), values.max()
+        if low < info.min or high > info.max:
+            raise ValueError(
+                f"{what} cannot be {dtype}: it holds values in [{low}, "
+                f"{high}], beyond [{info.min}, {info.max}]")
+    return values.astype(dtype, copy=False)
+
+
 class GeePSClient:
     """A worker's connection to the keras_geeps shards.
 
@@ -233,6 +260,9 @@ class GeePSClient:
             (shard, self._hello_message())
             for shard in range(self.cluster.num_shards)], "HELLO")
         for shard, welcome in enumerate(welcomes):
+            wrong = self._wrong_shard(shard, welcome)
+            if wrong:
+                raise GeePSError(wrong)
             self._on_welcome(shard, welcome)
         rejoined_at = max(w.meta.get("rejoined_at", 0) for w in welcomes)
         if rejoined_at > 0:  # (at 0 nothing was under way)
@@ -303,6 +333,18 @@ class GeePSClient:
         if self._arena is not None:
             meta["shm"] = self._arena.describe()
         return Message(MsgType.HELLO, meta=meta)
+
+    def _wrong_shard(self, shard, welcome):
+        """Why the shard that answered at `shard`'s address is not shard
+        `shard` (a list in another order than the other workers', one
+        shard named twice, e.g. as 127.0.0.1 and localhost), or None."""
+        answered = welcome.meta.get("shard_id")
+        if answered == shard:
+            return None
+        return (f"the shard at {self.cluster.shards[shard]}, the cluster's "
+                f"shard {shard}, says it is shard {answered}: every worker "
+                f"must list the shards in the order of their shard ids "
+                f"(each once)")
 
     # ---------------------------------------------------- shared memory
     def _on_welcome(self, shard, welcome):
@@ -598,11 +640,7 @@ class GeePSClient:
                 request_parts.append(part)
         if creator:
             if init is not None:
-                try:
-                    values = np.asarray(init).astype(dtype, copy=False)
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(f"table {name!r}: init cannot be "
-                                     f"{dtype.name}: {exc}") from None
+                values = _as_table_dtype(init, dtype, f"table {name!r}: init")
                 if values.size != rows * width:
                     raise ValueError(f"table {name!r}: init has {values.size}"
                                      f" elements, expected {rows * width}")
@@ -990,6 +1028,10 @@ class GeePSClient:
     def handle_for(self, what):
         """The `AccessHandle` for a table, its name, or a handle itself."""
         if isinstance(what, AccessHandle):
+            if what.table is None:
+                raise TypeError(f"{what} is a {what.kind} access (data of "
+                                f"the worker's own), not a table's: it has "
+                                f"no rows to read or update")
             self._check_own(what.table)
             return what
         if isinstance(what, str):
@@ -1085,6 +1127,9 @@ class GeePSClient:
         count = table.rows if handle.rows is None else len(handle.rows)
         if out is None:
             out = np.empty((count, table.width), table.dtype)
+        elif not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array, got "
+                            f"{type(out).__name__}")
         elif out.shape != (count, table.width):
             raise ValueError(f"out has shape {out.shape}, the read gives "
                              f"{(count, table.width)}")
@@ -1227,12 +1272,9 @@ class GeePSClient:
             raise ValueError(f"update of table {table.name!r} has "
                              f"{delta.size} elements, expected "
                              f"{count * table.width}")
-        try:
-            delta = np.ascontiguousarray(delta.reshape(count, table.width),
-                                         dtype=table.dtype)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"update of table {table.name!r} cannot be "
-                             f"{table.dtype.name}: {exc}") from None
+        delta = np.ascontiguousarray(_as_table_dtype(
+            delta, table.dtype, f"update of table {table.name!r}").reshape(
+                count, table.width))
         self._check_lent(table, handle, delta, copy)
         with table.lock:  # the I/O thread replays own updates under it
             self._accumulate(table, handle, delta, copy)
@@ -1350,8 +1392,8 @@ class GeePSClient:
             if time.monotonic() >= deadline:
                 at = {shard: int(table.part_ckpt[part])
                       for part, (shard, _, _) in enumerate(table.parts)}
-                oldest = min(table.log, default=table.clock)  # (trimmed
-                # meanwhile by the I/O thread: then it is empty)
+                with self._clock_lock:  # (the I/O thread trims it)
+                    oldest = min(table.log, default=table.clock)
                 raise GeePSTimeoutError(
                     f"worker {self.worker_id}: the replay log of table "
                     f"{table.name!r} holds {len(table.log)} clocks (from "
@@ -1556,6 +1598,13 @@ class GeePSClient:
             self._cond.notify_all()  # wake `wait_fresh`
         if self._io is not None:
             self._io.close()  # fails the requests still waiting
+        # Nothing runs for this client any more: a closed client kept as
+        # an object holds no rows, buffers or shard mappings.
+        for table in self._tables:
+            table.let_go()
+        self._shm_peers.clear()
+        self._shm_upload.clear()
+        self._releases.clear()
         if self._arena is not None:
             self._arena.close()
 

@@ -166,6 +166,9 @@ class ShardRecovery:
             if self._attempts.get(shard) is not attempt:
                 return  # an attempt given up (the shard restarted again)
             attempt.answered = True
+            if error is None:
+                wrong = client._wrong_shard(shard, message)
+                error = GeePSError(wrong) if wrong else None
             if error is not None:  # this worker cannot rejoin: for good
                 self._failed(shard, error)
                 return

@@ -161,6 +161,20 @@ class Table:
         self.all_rows = None        # the handle for whole-table access
         self.delivery = None        # a waiting read's _Delivery (`read`)
 
+    def let_go(self):
+        """Drops the rows and buffers a closed client no longer uses (its
+        cache, shared-memory uploads, update buffers, replay log), so that
+        a closed client kept as an object holds no table memory."""
+        with self.lock:
+            self.part_rows = []
+            self.incoming = []
+            self.uploads = []
+            self.upload_target = self.lend = self.lent_target = None
+            self.update_buffer = self.delivery = None
+            self.own = {}
+            self.log = {}
+            self.init = {}
+
     @property
     def nbytes(self):
         return self.rows * self.width * self.dtype.itemsize
