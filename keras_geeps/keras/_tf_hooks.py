@@ -104,7 +104,8 @@ class GeePSExtended(one_device_strategy.OneDeviceExtended):
     def _call_for_each_replica(self, fn, args, kwargs):
         parent = super()._call_for_each_replica
         return self._geeps_sync.wrap_step(
-            lambda: parent(fn, args, kwargs), is_keras_train_step(fn))
+            lambda: parent(fn, args, kwargs), is_keras_train_step(fn),
+            builds_tables=not is_keras_eval_step(fn))
 
 
 def init_strategy(strategy, device, sync):
@@ -123,6 +124,20 @@ def is_keras_train_step(fn):
     owner = getattr(fn, "__self__", None)
     return (getattr(fn, "__name__", "") == "train_step"
             and hasattr(owner, "compile") and hasattr(owner, "fit"))
+
+
+def is_keras_eval_step(fn):
+    """True when `fn` is a Keras model's test step (`evaluate`) or predict
+    step (`predict`: a closure of `make_predict_function`). Such a step
+    builds no parameter tables: weights set before the first `fit` (a
+    pretrained model's, loaded after a `predict`) are what the tables
+    start from."""
+    fn = inspect.unwrap(fn)
+    owner = getattr(fn, "__self__", None)
+    if getattr(fn, "__name__", "") == "test_step":
+        return hasattr(owner, "compile") and hasattr(owner, "fit")
+    return getattr(fn, "__qualname__", "").endswith(
+        "make_predict_function.<locals>.one_step_on_data")
 
 
 def in_xla_context():
@@ -182,26 +197,42 @@ def install_update_capture():
     cls._geeps_capture_installed = True
 
 
+# The tf.Variable methods that write it.
+_WRITES = ("assign", "assign_add", "assign_sub", "scatter_add",
+           "scatter_sub", "scatter_max", "scatter_min", "scatter_mul",
+           "scatter_div", "scatter_update", "batch_scatter_update",
+           "scatter_nd_add", "scatter_nd_sub", "scatter_nd_update",
+           "scatter_nd_max", "scatter_nd_min")
+
+
 def _install_write_watch():
-    """Has every sync hear of each eager `assign` / `assign_add` /
-    `assign_sub` of a tf.Variable (`ParameterSync.note_outside_write`):
-    writes between steps (a callback's `set_weights`, `load_weights`, a
-    Keras or TF variable's own `assign`), which a captured layer's next
-    push must carry, as a measured one does. Writes traced into a step are
-    not eager. Costs a check per eager write, nothing per traced step."""
+    """Has every sync hear of each write of a tf.Variable through its
+    methods (`assign*`, `scatter*`) outside the steps it wraps: an eager
+    one (a callback's `set_weights`, `load_weights`, a variable's own
+    `assign` or `scatter_update`) is noted at once
+    (`ParameterSync.note_outside_write`); one traced into a function
+    outside any step (a callback's `tf.function`), when traced
+    (`note_traced_write`), for good, since that function may run before
+    any push. A captured layer's next push must carry such writes, as a
+    measured one does. Costs a check per eager write and per traced one,
+    nothing per run of a traced step."""
     classes = (resource_variable_ops.BaseResourceVariable,
                resource_variable_ops.ResourceVariable)
     for cls in classes:
-        for name in ("assign", "assign_add", "assign_sub"):
+        for name in _WRITES:
             original = cls.__dict__.get(name)
             if original is None:
                 continue
 
             @functools.wraps(original)
             def watched(self, *args, _original=original, **kwargs):
-                if _all_syncs and tf.executing_eagerly():
+                if _all_syncs:
+                    eager = tf.executing_eagerly()
                     for active in list(_all_syncs):
-                        active.note_outside_write(self)
+                        if eager:
+                            active.note_outside_write(self)
+                        else:
+                            active.note_traced_write(self)
                 return _original(self, *args, **kwargs)
 
             setattr(cls, name, watched)
@@ -362,6 +393,12 @@ def install_fit_hooks():
         start = rejoin.line_up(strategy, model, self.params.get("steps"))
         if start is not None:
             self._geeps_epoch_before = _start_fit_at_epoch(model, start)
+        # The shards' rows now, not at the first step: what a callback
+        # writes from here on (at on_epoch_begin, before the first batch)
+        # is a write of this fit, which the first step carries.
+        if model is not None and _all_syncs:
+            for active in list(_all_syncs):
+                active.pull_restarted(model.weights)
         return result
 
     @functools.wraps(on_test_begin)

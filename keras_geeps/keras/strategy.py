@@ -419,7 +419,7 @@ class _BudgetGuard:
     def update_capture(variable):
         return None  # the layerwise trainer updates variables itself
 
-    def wrap_step(self, call, is_train_step=False):
+    def wrap_step(self, call, is_train_step=False, builds_tables=True):
         memory = self.strategy._memory
         if memory is not None and not memory.materialized:
             raise GeePSError(
@@ -428,6 +428,6 @@ class _BudgetGuard:
                 "evaluate / predict")
         self._in_step = True
         try:
-            return self.sync.wrap_step(call, is_train_step)
+            return self.sync.wrap_step(call, is_train_step, builds_tables)
         finally:
             self._in_step = False

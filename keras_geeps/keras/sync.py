@@ -18,6 +18,7 @@ itself, so they run at every step, `steps_per_execution` included.
 """
 
 import functools
+import logging
 import threading
 import time
 
@@ -29,6 +30,8 @@ from keras_geeps import ops, protocol
 from keras_geeps.errors import GeePSError
 from keras_geeps.keras import _tf_hooks
 from keras_geeps.keras.capture import UpdateCapture, variable_name
+
+log = logging.getLogger(__name__)
 
 MAX_ROW_WIDTH = 1024  # elements per row, at most
 # Layers smaller than this leave with the next layer's push (one
@@ -130,6 +133,9 @@ class LayerTable:
         # Written eagerly since the last pull (a callback's set_weights):
         # the next push measures the update, captured or not.
         self.written_outside = False
+        # A function traced outside the steps writes it: every push is
+        # measured (`ParameterSync.note_traced_write`).
+        self.written_by_functions = False
         self.pulled_shared = None  # the pulled shard rows, if shared
         self._reads = _BufferPair(layout.total_size, table.dtype)
         self._uploads = _BufferPair(layout.total_size, table.dtype)
@@ -202,6 +208,9 @@ class ParameterSync:
         self.max_row_width = max_row_width
         self.tables = []
         self._layer_of = {}        # id(tf.Variable) -> its LayerTable
+        # ids of tf.Variables a function traced outside the steps writes,
+        # noted before their table was built (`note_traced_write`)
+        self._traced_writes = set()
         self._candidates = []
         self._updated = None
         self.capture_updates = capture_updates
@@ -277,6 +286,24 @@ class ParameterSync:
         if layer is not None:
             layer.written_outside = True
 
+    def note_traced_write(self, variable):
+        """Notes a write to `variable` traced into a function outside the
+        steps this sync wraps (a callback's `tf.function`): it may run
+        between any two steps, unseen, so from now on every push of its
+        layer is measured on the variables (a captured update applied
+        first). No-op inside a step (its optimizer's writes) and for
+        other variables."""
+        if self._updated is not None:
+            return  # tracing a step of ours
+        layer = self._layer_of.get(id(variable))
+        if layer is None:  # (its table, if any, is built later)
+            self._traced_writes.add(id(variable))
+        elif not layer.written_by_functions:
+            layer.written_by_functions = True
+            log.debug("parameter table %r: a function written outside the "
+                      "steps writes it; its pushes are measured from now "
+                      "on", layer.name)
+
     def note_update(self, variable):
         """Called for every variable the optimizer updates (at trace time)."""
         if self._updated is not None:
@@ -288,8 +315,17 @@ class ParameterSync:
             return None
         return self._capture.expect(variable)
 
-    def wrap_step(self, call, is_train_step=False):
-        """Runs `call` (one step) between pulls and pushes of the tables."""
+    def wrap_step(self, call, is_train_step=False, builds_tables=True):
+        """Runs `call` (one step) between pulls and pushes of the tables.
+
+        Args:
+            call: the step, a callable of no arguments.
+            is_train_step: whether it is a Keras model's `train_step`.
+            builds_tables: whether the tables of variables tracked since
+                the last build are built first (False for a Keras test or
+                predict step: weights set between one and the first `fit`
+                are what the tables start from). Defaults to True.
+        """
         if _tf_hooks.in_xla_context():
             raise GeePSError(
                 "GeePSStrategy cannot run inside an XLA-compiled function: "
@@ -299,7 +335,8 @@ class ParameterSync:
             # A step's own nested call_for_each_replica (LossScaleOptimizer
             # applies its inner optimizer through one): already wrapped.
             return call()
-        self.build_pending()
+        if builds_tables:
+            self.build_pending()
         if not self.tables:
             return self._run_untabled(call)
         # One op pulls every table, in layer order: the step waits for all
@@ -470,6 +507,8 @@ class ParameterSync:
             table = self.client.create_table(table_name, total // width,
                                              width, dtype, init=init)
             layer = LayerTable(name, variables, table, layout)
+            layer.written_by_functions = bool(
+                _ids(variables) & self._traced_writes)
             self.tables.append(layer)
             self._layer_of.update((i, layer) for i in _ids(variables))
 
@@ -666,6 +705,18 @@ class ParameterSync:
                     any(id(v) in wanted for v in layer.variables):
                 layer.pulled_ages = None  # the next pull reads and assigns
 
+    def pull_restarted(self, variables):
+        """Pulls now the layers among `variables` that
+        `restart_from_shards` marked (and any never pulled), as `fit`'s
+        callbacks begin: a write of theirs from then on (at
+        `on_epoch_begin`, before the first batch) is one of this fit, that
+        the first step carries, not one its pull replaces."""
+        wanted = _ids(variables)
+        for index, layer in enumerate(self.tables):
+            if layer.pulled_ages is None and \
+                    any(id(v) in wanted for v in layer.variables):
+                self.pull(index)
+
     def push(self, index, values=None):
         """Sends the update of table `index` since its last pull, and
         clocks it. A caller pushing every table (`push_all`, the memory
@@ -700,7 +751,8 @@ class ParameterSync:
                 f"parameter table {layer.name!r}: push before any pull; an "
                 f"update is measured against the values pulled last, so "
                 f"pull (pull_all, or strategy.run) before the step")
-        if update is not None and layer.written_outside:
+        if update is not None and (layer.written_outside or
+                                   layer.written_by_functions):
             # Weights set since the pull: measure the update with them.
             for variable, value, sign in zip(layer.variables, *update):
                 variable.assign_add(value if sign > 0 else -value)

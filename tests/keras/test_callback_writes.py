@@ -15,6 +15,7 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
+tf = pytest.importorskip("tensorflow")
 
 from tests.keras import (  # noqa: E402
     one_worker_strategy, regression_data, small_model)
@@ -51,6 +52,29 @@ class _ClipAtBatchBegin(keras.callbacks.Callback):
     WRITES = 2 * EPOCHS
 
 
+class _PruneAndClipInAFunction(keras.callbacks.Callback):
+    """Before every batch, zeroes row 0 of the first kernel with an eager
+    `scatter_update` (pruning an input), and clips the second kernel in a
+    `tf.function` (traced at the first batch, before the tables exist:
+    its later runs are unseen, so that layer's pushes are all measured)."""
+
+    def __init__(self):
+        super().__init__()
+        self._clip = tf.function(
+            lambda v: v.assign(tf.clip_by_value(v, -0.3, 0.3)))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        kernel = self.model.layers[0].kernel.value
+        kernel.scatter_update(tf.IndexedSlices(
+            tf.zeros((1, kernel.shape[1])), tf.constant([0])))
+        self._clip(self.model.layers[1].kernel.value)
+
+    # every step's push of layer "b" (traced clip) and of layer "a"
+    # (scattered), but the first (its write came before the tables, which
+    # start from it)
+    WRITES = 2 * EPOCHS * STEPS - 1
+
+
 def _weights(model):
     return np.concatenate([w.reshape(-1) for w in model.get_weights()])
 
@@ -67,7 +91,8 @@ def _fit(model, callback):
     return _weights(model)
 
 
-@pytest.mark.parametrize("callback", [_HalveAtEpochEnd, _ClipAtBatchBegin])
+@pytest.mark.parametrize("callback", [_HalveAtEpochEnd, _ClipAtBatchBegin,
+                                      _PruneAndClipInAFunction])
 @pytest.mark.parametrize("capture", [True, False])
 def test_weights_set_by_a_callback_during_fit_reach_the_shards(
         thread_cluster, capture, callback):
@@ -112,3 +137,58 @@ def test_keras_callbacks_leave_every_push_captured(thread_cluster, tmp_path):
     assert stats["captured_tables"] == stats["tables"] == 2
     assert stats["steps"] == EPOCHS * STEPS
     assert stats["outside_write_pushes"] == 0
+
+
+class _HalveAtEpochAndFirstBatchBegin(keras.callbacks.Callback):
+    """Halves the weights at each epoch's begin, and the first kernel again
+    before its first batch: writes between `fit`'s start and its first
+    step, which that step's pull must not replace."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.model.set_weights([w * 0.5 for w in self.model.get_weights()])
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch == 0:
+            kernel = self.model.layers[0].kernel
+            kernel.assign(kernel.numpy() * 0.5)
+
+
+def _fit_twice_from(model, pretrained):
+    """predict, then weights loaded (a pretrained model's), two fits."""
+    x, y = regression_data(STEPS * BATCH)
+    model.predict(x[:2], verbose=0)  # (before any table exists)
+    model.set_weights(pretrained)
+    for _ in range(2):
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
+                  verbose=0, callbacks=[_HalveAtEpochAndFirstBatchBegin()])
+    return _weights(model)
+
+
+@pytest.mark.parametrize("capture", [True, False])
+def test_weights_loaded_after_a_predict_and_set_as_a_fit_begins_count(
+        thread_cluster, capture):
+    """A `predict` before the first fit builds no tables (which would start
+    from the weights then, and replace those loaded after it), and what a
+    callback writes at `on_epoch_begin` or before the first batch of a
+    second fit is not replaced by that fit's first pull."""
+    pretrained = [np.full(w.shape, 0.1 * (i + 1), np.float32)
+                  for i, w in enumerate(small_model(
+                      _NoStrategy()).get_weights())]
+    with one_worker_strategy(thread_cluster,
+                             capture_updates=capture) as strategy:
+        model = small_model(strategy)
+        got = _fit_twice_from(model, pretrained)
+        rows = _rows(strategy)
+    np.testing.assert_array_equal(got, rows)
+    reference = small_model(_NoStrategy())
+    np.testing.assert_allclose(got, _fit_twice_from(reference, pretrained),
+                               rtol=1e-5, atol=1e-6)
+
+
+class _NoStrategy:
+    """Keras' default strategy, for `small_model` (plain Keras)."""
+
+    @staticmethod
+    def scope():
+        import contextlib  # noqa: PLC0415
+        return contextlib.nullcontext()

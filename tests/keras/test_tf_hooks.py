@@ -36,9 +36,9 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         calls["updates"] += 1
         real_note(variable)
 
-    def wrap(call, is_train_step=False):
-        calls["steps"].append(is_train_step)
-        return real_wrap(call, is_train_step)
+    def wrap(call, is_train_step=False, builds_tables=True):
+        calls["steps"].append((is_train_step, builds_tables))
+        return real_wrap(call, is_train_step, builds_tables)
 
     def track(variable, trainable, keras_path=None):
         calls["tracked"] += trainable
@@ -53,13 +53,16 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         x = np.ones((8, 4), np.float32)
         model.fit(x, np.ones((8, 2), np.float32), batch_size=4, verbose=0)
         model.evaluate(x, np.ones((8, 2), np.float32), verbose=0)
+        model.predict(x, verbose=0)
         assert calls["tracked"] == 4          # 2 kernels + 2 biases
         assert [p for p in calls["paths"] if p and "/" in p][:4] == [
             f"{model.name}/{layer}/{v}" for layer in "ab"
             for v in ("kernel", "bias")]      # their Keras variables' paths
         assert calls["updates"] == 4          # once per variable, at trace
-        assert calls["steps"][0] is True      # fit's train_step detected
-        assert False in calls["steps"]        # evaluate's test_step too
+        # fit's train_step detected (it builds the tables); evaluate's
+        # test_step and predict's step too (they build none)
+        assert calls["steps"][0] == (True, True)
+        assert calls["steps"][1:] == [(False, False)] * 2
         assert [t.name for t in sync.tables] == [f"{model.name}/a",
                                                  f"{model.name}/b"]
         assert sync.steps == 2                # 8 samples / batch 4
