@@ -260,7 +260,8 @@ def load(directory, shard_id, num_shards, num_workers):
     return load_job(directory, shard_id, num_shards, num_workers)[0]
 
 
-def load_job(directory, shard_id, num_shards, num_workers, older=False):
+def load_job(directory, shard_id, num_shards, num_workers, older=False,
+             limits=None):
     """Reads a shard's checkpoint.
 
     Args:
@@ -268,6 +269,9 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False):
         shard_id, num_shards, num_workers: the shard's place in the job;
             the checkpoint must be for the same ones.
         older: read the checkpoint before the latest. Defaults to False.
+        limits: optional `limits({table_id: spec})`, what is beyond the
+            reader's limits (a string) or None, called with the checked
+            specs before any rows are read. Defaults to None.
 
     Returns:
         ({table_id: (spec dict, clock, rows array)}, the set of the
@@ -290,7 +294,7 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False):
                     raise CheckpointError(f"{path} is for {key}="
                                           f"{meta[key]}, this shard has "
                                           f"{mine}")
-            tables = {}
+            specs = {}
             for tid, entry in meta["tables"].items():
                 spec = entry["spec"]
                 problem = protocol.table_spec_problem(
@@ -304,6 +308,13 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False):
                               f"in [0, {MAX_CLOCK})"
                 if problem is not None:
                     raise CheckpointError(f"{path}: {problem}")
+                specs[int(tid)] = (spec, clock)
+            problem = None if limits is None else limits(
+                {tid: spec for tid, (spec, _) in specs.items()})
+            if problem is not None:
+                raise CheckpointError(f"{path}: {problem}")
+            tables = {}
+            for tid, (spec, clock) in specs.items():
                 rows = archive[f"table_{tid}"]
                 dtype = protocol.numpy_dtype(spec["dtype"])
                 stored = np.dtype(np.uint16) if spec["dtype"] == "bfloat16" \
@@ -319,7 +330,7 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False):
                     raise CheckpointError(f"{path}: table {tid} has shape "
                                           f"{rows.shape}, spec says "
                                           f"{expected}")
-                tables[int(tid)] = (spec, clock, rows.copy())
+                tables[tid] = (spec, clock, rows.copy())
             left = meta.get("left", [])
             if not isinstance(left, list) or not all(
                     isinstance(w, int) and not isinstance(w, bool)

@@ -283,11 +283,23 @@ def test_a_checkpoint_beyond_the_limits_is_not_restored(tmp_path):
     rows = np.zeros((4, 2), np.float32)
     checkpoint.write(tmp_path, 0, 1, 1, {t: (spec(4, 2, f"t{t}"), 3, rows)
                                          for t in range(3)})
-    for limits in ({"max_tables": 2}, {"max_table_bytes": 5 * rows.nbytes}):
-        with pytest.raises(checkpoint.CheckpointError, match="limits"):
+    # As CREATEs: each table's rows twice (three times on a checkpointing
+    # shard), with two written flags per row (8 here).
+    need = 3 * (2 * rows.nbytes + 8)
+    for limits in ({"max_tables": 2}, {"max_table_bytes": need - 1},
+                   {"max_message_bytes": 7},
+                   {"max_table_bytes": need, "checkpoint_every": 1}):
+        with pytest.raises(checkpoint.CheckpointError,
+                           match="beyond this shard's limits"):
             ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
                 checkpoint_dir=str(tmp_path), shared_memory=False,
                 **limits), restore=True)
+    server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
+        checkpoint_dir=str(tmp_path), shared_memory=False,
+        max_table_bytes=3 * (3 * rows.nbytes + 8), checkpoint_every=1),
+        restore=True)
+    assert server.snapshot_stats()["restored_clock"] == 3
+    server._close()
     server = ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
         checkpoint_dir=str(tmp_path), shared_memory=False), restore=True)
     assert server.snapshot_stats()["restored_clock"] == 3
@@ -509,6 +521,50 @@ def test_replies_a_peer_never_reads_are_bounded(servers):
             assert time.monotonic() < deadline, reply
             time.sleep(0.05)
         np.testing.assert_array_equal(reply.arrays[0], 1.0)
+    finally:
+        deaf.close()
+
+
+def test_stats_replies_a_peer_never_reads_are_bounded(servers):
+    """STATS needs no HELLO and its reply copies every table's figures
+    (100 tables with long names: 115 KB for a 49-byte request): a peer
+    that asks and reads nothing grew the shard by 170 MB in 1500
+    requests. Past MAX_UNSENT_STATS replies not yet sent, its STATS are
+    refused with a short ERROR until it reads; others are answered."""
+    server = servers(num_workers=1, max_table_bytes=1 << 20)
+    creator = servers.peer(server, 0)
+    for table in range(100):
+        creator.send(creator.message(MsgType.DECLARE, table=table, meta=spec(
+            1, 1, name=f"{table:04d}" + "n" * 1000)))
+    assert all(m.type == MsgType.ACK for m in
+               (creator.recv() for _ in range(100)))
+    deaf = RawPeer(server.address, 0, options=[(zmq.RCVHWM, 1),
+                                               (zmq.RCVBUF, 4096)])
+    try:
+        gc.collect()
+        before = rss_bytes()
+        asked = 1500
+        for _ in range(asked):
+            deaf.send(deaf.message(MsgType.STATS))
+        deadline = time.monotonic() + 60
+        while server.snapshot_stats()["messages_in"] < asked + 100 and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = server.snapshot_stats()
+        assert stats["errors"] >= asked * 9 // 10, stats["errors"]
+        grown = rss_bytes() - before
+        assert grown < 40 << 20, grown  # (was 170 MB)
+        assert protocol.stats_of(creator.ask(MsgType.STATS))["tables"]
+        got = deaf.drain(1000)
+        assert len(got) == asked
+        refusals = [m.meta["error"] for m in got if m.type == MsgType.ERROR]
+        assert all("STATS replies" in e and "not taken yet" in e
+                   for e in refusals), refusals[:1]
+        deadline = time.monotonic() + 10
+        while (reply := deaf.ask(MsgType.STATS)).type != \
+                MsgType.STATS_REPLY:  # (the last trackers may be finishing)
+            assert time.monotonic() < deadline, reply
+            time.sleep(0.05)
     finally:
         deaf.close()
 

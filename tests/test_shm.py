@@ -327,15 +327,21 @@ def test_a_lent_buffer_is_never_added_as_an_update(thread_cluster):
         assert client.shard_stats()[0]["lent_updates"] == 1
 
 
+def _old_process_at_clock_1(cluster):
+    """Worker 0's first process, with a table of ones at clock 1."""
+    old = cluster.client(0, timeout=20)
+    table = old.create_table("t", 64, 32)
+    old.update(table, np.ones((64, 32), np.float32))
+    old.clock()
+    return old, table
+
+
 def test_a_replaced_process_lent_buffer_never_becomes_rows(thread_cluster):
     """A worker's old process (hung, then replaced) keeps its lent buffer
     mapped writable: the shard must never hand that buffer out again."""
     cluster = thread_cluster(1, 1)
-    old = cluster.client(0, timeout=20)
+    old, table = _old_process_at_clock_1(cluster)
     try:
-        table = old.create_table("t", 64, 32)
-        old.update(table, np.ones((64, 32), np.float32))
-        old.clock()
         old.read_shared(table)
         stale = old.lend_target(table)  # lent for clock 1, never used
         assert stale is not None
@@ -345,6 +351,40 @@ def test_a_replaced_process_lent_buffer_never_becomes_rows(thread_cluster):
                 new.update(mine, np.ones((64, 32), np.float32))
                 new.clock()
                 stale[:] = 666.0  # the old process writes on
+                np.testing.assert_array_equal(new.read(mine), clk + 1.0)
+    finally:
+        old.close()
+
+
+def test_buffers_a_replaced_process_wrote_into_never_hold_rows_again(
+        thread_cluster):
+    """Lent buffers the old process used (adopted as the table's rows, then
+    back in the shard's pool as rows, sums or the next lend) stay mapped
+    writable in it: once it is replaced, the rows are copied out of them
+    and none is handed out again."""
+    cluster = thread_cluster(1, 1)
+    old, table = _old_process_at_clock_1(cluster)
+    try:
+        kept = []
+        for clk in range(1, 4):  # three lent buffers, each adopted
+            old.read_shared(table)
+            lent = old.lend_target(table)
+            assert lent is not None
+            lent[:] = clk + 1.0  # the rows (clk) + an update of ones
+            old.update(table, lent, copy=False)
+            old.clock()
+            kept.append(lent)
+        assert old.shard_stats()[0]["lent_updates"] == 3
+        with cluster.client(0, timeout=20) as new:  # the new process
+            mine = new.create_table("t", 64, 32)
+            np.testing.assert_array_equal(new.read(mine), 4.0)
+            for clk in range(4, 9):
+                for array in kept:  # the old process writes on
+                    array[:] = 666.0
+                new.update(mine, np.ones((64, 32), np.float32))
+                new.clock()
+                for array in kept:
+                    array[:] = 666.0
                 np.testing.assert_array_equal(new.read(mine), clk + 1.0)
     finally:
         old.close()

@@ -47,6 +47,10 @@ DEAD_CLOCK = 1 << 62  # a dead worker's vector-clock entry: never the minimum
 # reads none of them); its further READs are refused until it does.
 # (Clients get their rows by PUSH, and send no READ.)
 MAX_UNSENT_READS = 64
+# STATS replies (a copy of every table's figures) waiting for a peer that
+# reads none, per peer and in all.
+MAX_UNSENT_STATS = 4
+MAX_UNSENT_STATS_ALL = 64
 
 # The refusals of an UPDATE or CLOCK that is not of the worker's current
 # clock (`ShardServer._check_clock`).
@@ -140,6 +144,7 @@ class ShardServer:
         self._parked = []         # (identity, Message) reads waiting
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._unsent_reads = {}   # worker -> [[tracker]] of READ replies
+        self._unsent_stats = []   # [(identity, tracker)] of STATS replies
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
         self._left = set()        # workers that closed their client (LEAVE)
@@ -503,15 +508,18 @@ class ShardServer:
             self.stats["sealed_held_back"] += not queued.done
             return queued if track else None
         return self._send_to(self._socket, [identity] + frames, track,
-                             rows_reply=message.type == MsgType.ROWS)
+                             rows_reply=message.type in (
+                                 MsgType.ROWS, MsgType.STATS_REPLY))
 
     def _send_to(self, sock, frames, track, rows_reply=False):
         """Sends routed `frames` on `sock`; their tracker with `track`,
         else None, and None when the peer is gone.
 
         On the plain socket the routing id and header are copied, and so
-        are rows under zmq.COPY_THRESHOLD, except in a reply to a READ
-        (`rows_reply`): those go zero-copy whatever their size, so that
+        are rows under zmq.COPY_THRESHOLD, except in a reply to a READ or
+        a STATS (`rows_reply`): those go zero-copy whatever their size
+        (and are tracked: a STATS reply's tracker bounds how many wait for
+        a peer, `_stats`), so that
         rows queued for a peer that sends READs and reads nothing are the
         table's own buffers, which max_table_bytes counts (pooled until
         sent), not copies outside it (3000 READs of a 64 KB table took
@@ -566,8 +574,7 @@ class ShardServer:
     def _handle_request(self, identity, message):
         kind = message.type
         if kind == MsgType.STATS:
-            self._send(identity, protocol.stats_reply(
-                message.seq, self.snapshot_stats()))
+            self._stats(identity, message)
             return
         if kind == MsgType.STOP:
             self._send(identity, Message(MsgType.ACK, seq=message.seq))
@@ -643,6 +650,27 @@ class ShardServer:
             f"not counted")
 
     # ---------------------------------------------------------- requests
+    def _stats(self, identity, message):
+        """Answers STATS (anyone may ask: a monitor, a client before its
+        HELLO). Its reply copies every table's figures, so for a peer that
+        asks and reads nothing they would pile up (100 tables: 115 KB per
+        49-byte request): at most MAX_UNSENT_STATS wait per peer, and
+        MAX_UNSENT_STATS_ALL in all; past that, a short ERROR."""
+        unsent = self._unsent_stats = [(who, tracker) for who, tracker
+                                       in self._unsent_stats
+                                       if not tracker.done]
+        mine = sum(who == identity for who, _ in unsent)
+        if mine >= MAX_UNSENT_STATS:
+            raise RequestError(f"{mine} STATS replies to this peer are not "
+                               f"taken yet: read them before asking again")
+        if len(unsent) >= MAX_UNSENT_STATS_ALL:
+            raise RequestError(f"{len(unsent)} STATS replies are not taken "
+                               f"yet: read them before asking again")
+        tracker = self._send(identity, protocol.stats_reply(
+            message.seq, self.snapshot_stats()), track=True)
+        if tracker is not None:
+            unsent.append((identity, tracker))
+
     def _hello(self, identity, message):
         meta = message.meta
         for key, mine in (("num_workers", self.num_workers),
@@ -780,12 +808,38 @@ class ShardServer:
             if table.lent is not None and table.lent[1] == worker:
                 # Never reused: a hung old process may still write into it.
                 self._end_lend(table, reuse=False)
+            if table.pool is not None:
+                self._disown(table, worker)
         self._shm_writers.pop(worker, None)
         self._shm_readers.discard(worker)
         for buffer_id, holders in list(self._holds.items()):
             holders.pop(worker, None)
             if not holders:
                 del self._holds[buffer_id]
+
+    def _disown(self, table, worker):
+        """No rows of `table` stay in buffers once lent to `worker`'s process
+        (gone or replaced: a hung one keeps them mapped writable), and no
+        such buffer is handed out again: those in use are copied out."""
+        in_use = table.pool.drop_writer(worker)
+        if not in_use:
+            return
+
+        def copied(array):
+            fresh = table.pool.get()  # (none of that process's now)
+            np.copyto(fresh, array)
+            self._trackers.pop(id(array), None)  # (its sends keep it alive)
+            table.pool.discard(array)
+            return fresh
+
+        if id(table.data) in in_use:
+            old = table.data
+            table.data = copied(old)
+            for pending in table.pending.values():
+                pending.replace_base(old, table.data)
+        for pending in table.pending.values():
+            if id(pending.buffer) in in_use:
+                pending.buffer = copied(pending.buffer)
 
     def _release(self, worker, message):
         if self._arena is None or \
@@ -840,20 +894,13 @@ class ShardServer:
         if len(self._tables) >= self.settings.max_tables:
             raise RequestError(f"shard holds {len(self._tables)} tables, the "
                                f"limit (max_tables)")
-        row_bytes = spec["width"] * protocol.numpy_dtype(
-            spec["dtype"]).itemsize
-        if row_bytes > self.settings.max_message_bytes:
-            raise RequestError(f"table {message.table}: a row of {row_bytes}"
-                               f" bytes exceeds max_message_bytes="
-                               f"{self.settings.max_message_bytes}")
-        rows = spec["row_end"] - spec["row_start"]
-        nbytes = rows * row_bytes
-        # Its rows + a clock's updates (+ the snapshot a checkpointing
-        # shard takes of it at once, at clock 0), and the written flags of
-        # its initial rows and of that clock's.
-        copies = 3 if self.settings.checkpoint_every else 2
-        snapshot = " and its snapshot" if copies == 3 else ""
-        if not self._room_for(copies * nbytes + 2 * rows):
+        problem = self._row_problem(message.table, spec)
+        if problem is not None:
+            raise RequestError(problem)
+        nbytes, room = self._table_room(spec)
+        if not self._room_for(room):
+            copies = 3 if self.settings.checkpoint_every else 2
+            snapshot = " and its snapshot" if copies == 3 else ""
             raise RequestError(f"table {message.table} of {nbytes} bytes "
                                f"({copies} times that with a clock's "
                                f"updates{snapshot}) exceeds the shard's "
@@ -864,6 +911,43 @@ class ShardServer:
         table = self._new_table(message.table, spec)
         self._tables[message.table] = table
         return table
+
+    def _row_problem(self, table_id, spec):
+        """A row of the table too large for one message, or None."""
+        row_bytes = spec["width"] * protocol.numpy_dtype(
+            spec["dtype"]).itemsize
+        if row_bytes > self.settings.max_message_bytes:
+            return (f"table {table_id}: a row of {row_bytes} bytes exceeds "
+                    f"max_message_bytes={self.settings.max_message_bytes}")
+        return None
+
+    def _table_room(self, spec):
+        """(bytes of the table's rows here, bytes it needs): its rows + a
+        clock's updates (+ the snapshot a checkpointing shard takes of it
+        at once), and the written flags of its rows and of that clock's."""
+        rows = spec["row_end"] - spec["row_start"]
+        nbytes = rows * spec["width"] * protocol.numpy_dtype(
+            spec["dtype"]).itemsize
+        copies = 3 if self.settings.checkpoint_every else 2
+        return nbytes, copies * nbytes + 2 * rows
+
+    def _restore_limits(self, specs):
+        """What of a checkpoint's tables ({id: spec}) is beyond this
+        shard's limits, checked as CREATEs of them would be, or None."""
+        for table_id, spec in specs.items():
+            problem = self._row_problem(table_id, spec)
+            if problem is not None:
+                return problem + " (beyond this shard's limits)"
+        need = sum(self._table_room(spec)[1] for spec in specs.values())
+        nbytes = sum(self._table_room(spec)[0] for spec in specs.values())
+        if len(specs) > self.settings.max_tables or \
+                need > self.settings.max_table_bytes:
+            return (f"{len(specs)} tables of {nbytes} bytes, beyond this "
+                    f"shard's limits (max_tables={self.settings.max_tables},"
+                    f" max_table_bytes={self.settings.max_table_bytes}, "
+                    f"which must hold {need} bytes for them, as for CREATEs"
+                    f" of them)")
+        return None
 
     def _held_bytes(self):
         """Bytes of rows held: each table's rows, its pending clocks and
@@ -1228,6 +1312,7 @@ class ShardServer:
             table.pool.put(rows)
             return None
         table.lent = (table.global_clock, worker, rows, shared)
+        table.pool.lend(rows, worker)
         return shared
 
     def _end_lend(self, table, reuse=True):
@@ -1566,16 +1651,7 @@ class ShardServer:
             self._writer.remove_leftovers()
         tables, left = checkpoint.load_job(
             self.settings.checkpoint_dir, self.shard_id, self.num_shards,
-            self.num_workers)
-        nbytes = sum(2 * rows.nbytes for _, _, rows in tables.values())
-        if len(tables) > self.settings.max_tables or \
-                nbytes > self.settings.max_table_bytes:
-            raise checkpoint.CheckpointError(
-                f"the checkpoint in {self.settings.checkpoint_dir} holds "
-                f"{len(tables)} tables of {nbytes // 2} bytes, beyond this "
-                f"shard's limits (max_tables={self.settings.max_tables}, "
-                f"max_table_bytes={self.settings.max_table_bytes}, which "
-                f"must hold the rows twice)")
+            self.num_workers, limits=self._restore_limits)
         for table_id, (spec, clock, rows) in tables.items():
             table = self._new_table(table_id, spec)
             table.data = rows

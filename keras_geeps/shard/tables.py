@@ -86,6 +86,11 @@ class Pending:
         self.written = np.zeros(buffer.shape[0], bool)
         self._set_base(base)
 
+    def replace_base(self, old, new):
+        """`new`, a copy of `old`, is the base from now on, if `old` was."""
+        if self.base is old:
+            self._set_base(new)
+
     def _set_base(self, base):
         self.base = base
         # What the first update of a row adds to: nothing (a copy), or base.
@@ -219,6 +224,9 @@ class BufferPool:
         self.busy = busy or (lambda buffer_id: False)
         self.shared = {}  # id(array) -> its shm.SharedBuffer
         self.free = []  # (buffer, [trackers])
+        # id(array) -> the worker a buffer was lent to: its process maps
+        # it writable for as long as it lives (`drop_writer`).
+        self.writers = {}
 
     def _reusable(self, buffer, trackers):
         shared = self.shared.get(id(buffer))
@@ -264,9 +272,33 @@ class BufferPool:
 
     def discard(self, buffer):
         """Drops `buffer` for good (never handed out again)."""
+        self.writers.pop(id(buffer), None)
         shared = self.shared.pop(id(buffer), None)
         if shared is not None:
             shared.close()
+
+    def lend(self, buffer, worker):
+        """Notes that `worker`'s process maps `buffer` writable."""
+        self.writers[id(buffer)] = worker
+
+    def drop_writer(self, worker):
+        """Forgets the buffers lent to `worker`'s process, which is gone or
+        replaced yet may still write into them (a hung one): the free ones
+        are dropped for good.
+
+        Returns:
+            The ids of those still in use (the table's rows, a clock's
+            sums), which the caller must copy out and `discard`.
+        """
+        mine = {key for key, w in self.writers.items() if w == worker}
+        if not mine:
+            return set()
+        for buffer, _ in [e for e in self.free if id(e[0]) in mine]:
+            self.discard(buffer)
+        self.free = [e for e in self.free if id(e[0]) not in mine]
+        for key in mine:
+            self.writers.pop(key, None)
+        return mine
 
     def put(self, buffer, trackers=()):
         if self.arena is not None and id(buffer) not in self.shared:
