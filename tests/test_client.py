@@ -819,19 +819,28 @@ def test_updates_and_inits_a_conversion_would_change_are_refused(
                                 init=[np.nan, 2.7])
         client.update(counts, [[1, 2], [3, 4]])        # python ints
         client.update(counts, np.ones((2, 2), np.uint8))
+        pixels = client.create_table("pixels", 1, 2, dtype="uint8",
+                                     init=[[1, 2]])    # python ints
+        client.update(pixels, np.array([[3, 4]], np.int32))
+        with pytest.raises(ValueError, match=r"update of table 'pixels' "
+                           r"cannot be uint8: it holds values in \[-1, 4\],"
+                           r" beyond \[0, 255\]"):
+            client.update(pixels, [[-1, 4]])
         floats = client.create_table("floats", 2, 2)   # float32
         client.update(floats, np.full((2, 2), 0.25))   # float64: rounds
         client.clock()
         np.testing.assert_array_equal(client.read(counts),
                                       [[2, 3], [4, 5]])
         np.testing.assert_array_equal(client.read(floats), 0.25)
+        np.testing.assert_array_equal(client.read(pixels), [[4, 6]])
 
 
 def test_a_shard_list_in_another_order_is_refused_at_once(thread_cluster):
     """A worker whose shard list is out of order (or names a shard twice)
     would place tables on the wrong shards and time out later, blaming
     another worker: the shards' WELCOME names who they are."""
-    cluster = thread_cluster(2, 1)
+    cluster = thread_cluster(2, 1, settings=ShardSettings(
+        worker_timeout=30, shared_memory=False))
     shards = list(cluster.spec(0).shards)
     host, port = shards[0].rsplit(":", 1)
     for wrong in (shards[::-1], [shards[0], "tcp://localhost:" + port]):
@@ -841,6 +850,13 @@ def test_a_shard_list_in_another_order_is_refused_at_once(thread_cluster):
                            r"is shard 0"):
             GeePSClient(ClusterSpec(wrong, 1, 0), timeout=10)
         assert time.monotonic() - started < 5  # not a timeout
+        if wrong == shards[::-1]:
+            # Every shard that welcomed it heard it leave (its silence is
+            # no death, which would stop the job). (Named twice, shard 0
+            # has two connections of the worker, which take its place from
+            # each other: the one it heard last decides.)
+            for shard in cluster.shards:
+                assert shard.snapshot_stats()["left_workers"] == [0]
     with cluster.client(0, timeout=10) as client:  # the right order works
         client.create_table("t", 4, 2)
 

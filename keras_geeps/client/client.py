@@ -94,8 +94,9 @@ def _close_at_exit(client):
 def _as_table_dtype(values, dtype, what):
     """`values` as a `dtype` array, refusing a conversion that would change
     them: to another kind (floats truncated to ints, NaN to an int) or out
-    of an integer dtype's range. Float to a narrower float (float64
-    gradients into a float32 table) rounds, as any float update does.
+    of an integer dtype's range (signed into unsigned: no negative). Float
+    to a narrower float (float64 gradients into a float32 table) rounds,
+    as any float update does.
 
     Raises:
         ValueError: naming `what`, the values' dtype and the table's.
@@ -103,12 +104,13 @@ def _as_table_dtype(values, dtype, what):
     values = np.asarray(values)
     if values.dtype == dtype:
         return values
-    if not np.can_cast(values.dtype, dtype, "same_kind"):
+    integers = dtype.kind in "iu" and values.dtype.kind in "iub"
+    if not integers and not np.can_cast(values.dtype, dtype, "same_kind"):
         raise ValueError(
             f"{what} cannot be {dtype}: it holds {values.dtype} values, "
             f"which converting would change (truncate) or fail on; give "
             f"it {dtype} values")
-    if dtype.kind in "iu" and values.size and values.dtype.kind in "iu":
+    if integers and values.size and values.dtype.kind in "iu":
         info = np.iinfo(dtype)
         low, high = values.min(), values.max()
         if low < info.min or high > info.max:
@@ -262,6 +264,11 @@ class GeePSClient:
         for shard, welcome in enumerate(welcomes):
             wrong = self._wrong_shard(shard, welcome)
             if wrong:
+                # Every shard that welcomed it hears it leave (close()):
+                # one that watches for silence would count it dead.
+                self._watching.update(
+                    s for s, w in enumerate(welcomes)
+                    if w.meta.get("worker_timeout", 0.0) > 0)
                 raise GeePSError(wrong)
             self._on_welcome(shard, welcome)
         rejoined_at = max(w.meta.get("rejoined_at", 0) for w in welcomes)

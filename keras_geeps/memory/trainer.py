@@ -157,57 +157,126 @@ _WEIGHT_DECAY_EXCLUSIONS = ("_exclude_from_weight_decay",
                             "_exclude_from_weight_decay_pattern")
 
 
-def _named_state(optimizer):
-    """{name: variable} of `optimizer`'s per-variable state (its slots:
-    Keras names each `{model variable's path}_{kind}`, the same in every
-    copy built for that variable); iterations and the learning rate are
-    not in it."""
-    own = {id(optimizer.iterations)}
+def _step_count(optimizer):
+    """The optimizer's step counter, a variable (`iterations` is a tensor
+    computed from it under gradient accumulation)."""
+    count = getattr(optimizer, "_iterations", None)
+    return optimizer.iterations if count is None else count
+
+
+def _slot_prefixes(variables):
+    """The name prefixes of the slots Keras makes for `variables`
+    (`add_variable_from_reference`: `{path with _ for /}_{kind}`)."""
+    return tuple(v.path.replace("/", "_") + "_" for v in variables
+                 if hasattr(v, "path"))
+
+
+def _split_state(state, variables):
+    """({name: variable} of the slots named after one of `variables`,
+    [the other state variables, in order: the optimizer's own, such as
+    Nadam's momentum product, or slots Keras names otherwise]).
+
+    Raises:
+        ValueError: two slots of one name.
+    """
+    prefixes = _slot_prefixes(variables)
+    named, others = {}, []
+    for v in state:
+        if prefixes and v.name.startswith(prefixes):
+            if v.name in named:
+                raise ValueError(
+                    f"the optimizer holds two state variables named "
+                    f"{v.name!r}: the layer-wise trainer cannot tell which "
+                    f"layer's each is")
+            named[v.name] = v
+        else:
+            others.append(v)
+    return named, others
+
+
+def _own_state(optimizer):
+    """The optimizer's state variables but its step count and rate."""
+    own = {id(_step_count(optimizer))}
     rate = getattr(optimizer, "_learning_rate", None)
     if rate is not None:
         own.add(id(rate))
-    named = {}
-    for v in optimizer.variables:
-        if id(v) in own:
+    return [v for v in optimizer.variables if id(v) not in own]
+
+
+def _shapes(variables):
+    return [tuple(v.shape) for v in variables]
+
+
+def _state_pairs(optimizer, units):
+    """[(a layer copy's state variable, the optimizer's)] for every state
+    variable of the units' copies: slots by name (Keras names them after
+    their variable's path, the same in every copy), the rest (state of
+    the optimizer's own, e.g. Nadam's momentum product) in order, where
+    every copy has as many of the same shapes as the optimizer.
+
+    Raises:
+        ValueError: naming what has no counterpart (the optimizer was
+            built for other variables, or keeps state the trainer cannot
+            tell apart by layer, e.g. Adafactor's factored moments).
+    """
+    named, others = _split_state(_own_state(optimizer),
+                                 optimizer._trainable_variables)
+    pairs = []
+    for unit in units:
+        if unit.optimizer is None:
             continue
-        if v.name in named:
+        mine, rest = _split_state(unit.state, unit.params)
+        for name, v in mine.items():
+            source = named.get(name)
+            if source is None or tuple(source.shape) != tuple(v.shape):
+                raise ValueError(
+                    f"the optimizer has state (built for "
+                    f"{len(optimizer._trainable_variables)} variables) but "
+                    f"no {name!r} of shape {tuple(v.shape)} for layer "
+                    f"{unit.name!r}: it was used for other variables than "
+                    f"this model's, and the layer's copy would start "
+                    f"without it. Give it an optimizer built for this "
+                    f"model, or a fresh one "
+                    f"(type(opt).from_config(opt.get_config()))")
+            pairs.append((v, source))
+        if _shapes(rest) != _shapes(others):
             raise ValueError(
-                f"the optimizer holds two state variables named {v.name!r}: "
-                f"the layer-wise trainer cannot tell which layer's each is")
-        named[v.name] = v
-    return named
+                f"{type(optimizer).__name__} keeps state the layer-wise "
+                f"trainer cannot tell apart by layer ({len(others)} "
+                f"variables not named after a model variable, of shapes "
+                f"{_shapes(others)[:4]}; layer {unit.name!r}'s copy has "
+                f"{_shapes(rest)[:4]})")
+        pairs.extend(zip(rest, others))
+    return pairs
 
 
 def _has_state(optimizer):
     return optimizer.built or \
-        int(tf.convert_to_tensor(optimizer.iterations).numpy()) > 0
+        int(tf.convert_to_tensor(_step_count(optimizer)).numpy()) > 0
 
 
 def _carry_state_in(optimizer, units):
     """Starts each layer's optimizer copy from `optimizer`'s state: its step
-    count and, for each of the layer's variables, its slots (moments,
-    accumulators), matched by name. Refuses a state built for other
-    variables (a copy would start from none of it, silently)."""
+    count and the layer's slots (moments, accumulators, moving averages;
+    `_state_pairs`). Refuses a state it cannot place (a copy would start
+    from none of it, silently)."""
     if not _has_state(optimizer):
         return
-    named = _named_state(optimizer) if optimizer.built else {}
+    pairs = _state_pairs(optimizer, units) if optimizer.built else []
     for unit in units:
-        if unit.optimizer is None:
-            continue
-        unit.optimizer.iterations.assign(optimizer.iterations)
-        for v in unit.state:
-            source = named.get(v.name)
-            if source is None or tuple(source.shape) != tuple(v.shape):
-                built = (f"built for {len(optimizer._trainable_variables)} "
-                         f"variables" if optimizer.built else "not built")
-                raise ValueError(
-                    f"the optimizer has state ({built}) but no {v.name!r} "
-                    f"of shape {tuple(v.shape)} for layer {unit.name!r}: it "
-                    f"was used for other variables than this model's, and "
-                    f"the layer's copy would start without it. Give it an "
-                    f"optimizer built for this model, or a fresh one "
-                    f"(type(opt).from_config(opt.get_config()))")
-            v.assign(source)
+        if unit.optimizer is not None:
+            _step_count(unit.optimizer).assign(_step_count(optimizer))
+    for copy, source in pairs:
+        copy.assign(source)
+
+
+def _state_placeable(units):
+    """Whether an unbuilt optimizer, once built for the model, could take
+    the copies' state (`_state_pairs`): every copy's state not named
+    after its variables has the same shapes."""
+    rests = [_shapes(_split_state(u.state, u.params)[1])
+             for u in units if u.optimizer is not None]
+    return all(rest == rests[0] for rest in rests)
 
 
 class _Unit:
@@ -426,9 +495,11 @@ class LayerwiseTrainer:
     `global_clipnorm` and `LossScaleOptimizer` are refused). Each copy
     starts from the optimizer's state (its step count and the layer's
     slots, where it has taken steps or is built, as under `model.fit`; one
-    built for other variables is refused), and `close()` gives the
-    optimizer the state the copies reached, building it if need be: a later
-    trainer (or `model.fit`) with the same optimizer goes on from there.
+    built for other variables, or whose state cannot be told apart by
+    layer, as Adafactor's, is refused), and `close()` gives the optimizer
+    the state the copies reached, building it in host memory if need be: a
+    later trainer (or `model.fit`) with the same optimizer goes on from
+    there.
 
     Between steps the staged layers' variables hold no storage: call
     `materialize()` (or `GeePSStrategy.sync()`) before evaluating, predicting
@@ -503,8 +574,6 @@ class LayerwiseTrainer:
                 "before making a new one")
         given = optimizer
         optimizer = keras.optimizers.get(optimizer)
-        if _has_state(optimizer):
-            _named_state(optimizer)  # refuses ambiguous names, early
         # The user's optimizer gets the copies' state back at close();
         # one made here from a name or config has no reader.
         self._optimizer = optimizer if optimizer is given else None
@@ -1140,8 +1209,9 @@ class LayerwiseTrainer:
         """Gives the staged layers their variables back (the model then
         holds all its weights), gives the optimizer the state its per-layer
         copies reached (its step count and slots; it is built for the
-        model's variables first if it was not; an optimizer given by name
-        is no one's and gets nothing) and stops the background threads.
+        model's variables first, in host memory, if it was not; an
+        optimizer given by name is no one's and gets nothing; a state it
+        cannot place is a warning) and stops the background threads.
 
         If giving the weights back fails (e.g. the device is out of memory:
         materialized weights are outside the budget), the error is raised
@@ -1175,27 +1245,34 @@ class LayerwiseTrainer:
     def _carry_state_out(self):
         """Gives the optimizer the trainer was given the state its
         per-layer copies reached (building it for the model's variables
-        first, where it was not built): a later trainer, `model.fit` or a
-        checkpoint of the optimizer goes on from there. Then empties the
-        copies' slots: after close() the trainer holds nothing."""
+        first, in host memory, where it was not built): a later trainer,
+        `model.fit` or a checkpoint of the optimizer goes on from there.
+        Then empties the copies' slots: after close() the trainer holds
+        nothing. A state it cannot place (`_state_pairs`), or a failure,
+        is a warning: the trainer closes all the same."""
         optimizer = self._optimizer
         units = [u for u in self.units if u.optimizer is not None]
         if optimizer is None or not units:
             return
-        if not optimizer.built:
-            with tf.device(self.device):
-                optimizer.build(self.model.trainable_variables)
-        named = _named_state(optimizer)
-        missing = [v.name for u in units for v in u.state
-                   if v.name not in named]
-        if missing:
-            raise GeePSError(
-                f"the optimizer has no state variables named {missing[:3]} "
-                f"to take the layers' state back")
-        for unit in units:
-            for v in unit.state:
-                named[v.name].assign(v)
-        optimizer.iterations.assign(units[0].optimizer.iterations)
+        try:
+            if not optimizer.built:
+                if not _state_placeable(units):
+                    raise ValueError(
+                        f"{type(optimizer).__name__} keeps state the "
+                        f"layer-wise trainer cannot tell apart by layer")
+                with tf.device("/cpu:0"):
+                    optimizer.build(self.model.trainable_variables)
+            pairs = _state_pairs(optimizer, units)
+            for copy, target in pairs:
+                target.assign(copy)
+            _step_count(optimizer).assign(_step_count(units[0].optimizer))
+        except Exception as exc:  # noqa: BLE001 - a warning: closes anyway
+            warnings.warn(f"the layer-wise trainer could not give the "
+                          f"optimizer its layers' state ({exc}): the "
+                          f"optimizer does not hold it, and a new trainer "
+                          f"given it starts from what it holds",
+                          RuntimeWarning, stacklevel=3)
+            return
         for unit in units:
             unit._empty(unit.tf_state)
 

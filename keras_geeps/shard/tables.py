@@ -313,6 +313,4 @@ class BufferPool:
                 i += 1
                 continue
             dropped, _ = self.free.pop(i)
-            shared = self.shared.pop(id(dropped), None)
-            if shared is not None:
-                shared.close()
+            self.discard(dropped)

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from keras_geeps.memory import plan, record_model
-from keras_geeps.memory.trainer import LayerwiseTrainer
+from keras_geeps.memory.trainer import LayerwiseTrainer, _probe_state_bytes
 from tests.memory.test_trainer import assert_same
 
 BATCH = 4
@@ -226,10 +226,10 @@ def tape_steps(model, optimizer, data):
 
 def trainer_steps(model, optimizer, data, budgeted):
     budget = None
-    if budgeted:
-        budget = plan(record_model(model, BATCH, state_bytes=[
-            2 * sum(v.numpy().nbytes for v in layer.trainable_variables)
-            for layer in model.layers]), 10**12).minimum_budget
+    if budgeted:  # the least, for the optimizer's state
+        budget = plan(record_model(model, BATCH, state_bytes=(
+            _probe_state_bytes(keras.optimizers.get(optimizer),
+                               model.layers))), 10**12).minimum_budget
     trainer = LayerwiseTrainer(model, optimizer, "mse", BATCH,
                                device_memory_budget=budget)
     try:
@@ -257,41 +257,73 @@ def test_weight_decay_exclusions_reach_every_layer_copy(exclude, budgeted):
 
 def state(optimizer):
     """[(kind, value)] of the optimizer's variables, in order (the two
-    models' variable paths differ)."""
-    return [(v.name.rsplit("_", 1)[-1], v.numpy())
-            for v in optimizer.variables]
+    models' variable paths differ; state of the optimizer's own, such as
+    Nadam's momentum product, has an automatic name: "own")."""
+    return [(v.name.rsplit("_", 1)[-1] if "dense" in v.name else "own",
+             v.numpy()) for v in optimizer.variables]
+
+
+OPTIMIZERS = {  # name: (make, its variables on the 10 of biased_mlp)
+    "adam": (lambda: keras.optimizers.Adam(0.01), 2 + 2 * 10),
+    # a momentum product of its own, besides the slots
+    "nadam": (lambda: keras.optimizers.Nadam(0.01), 2 + 2 * 10 + 1),
+    # a step count that `iterations` divides; an accumulator per variable
+    "accumulating": (lambda: keras.optimizers.Adam(
+        0.01, gradient_accumulation_steps=2), 2 + 3 * 10)}
 
 
 @pytest.mark.parametrize("first", ["keras", "unbuilt"])
-def test_optimizer_state_goes_into_the_copies_and_back(first):
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_optimizer_state_goes_into_the_copies_and_back(first, kind):
     """Steps 1-2 under plain Keras (or a trainer given a fresh optimizer),
     3-4 under a staging trainer, 5-6 under a resident one, all with one
-    Adam: the same weights and Adam state as 6 plain Keras steps. (Had a
-    copy started without the moments, or the step count, the weights
-    would differ: Adam's first steps are the largest.)"""
+    optimizer: the same weights and optimizer state as 6 plain Keras
+    steps. (Had a copy started without the moments, or the step count,
+    the weights would differ: Adam's first steps are the largest.)"""
+    make, count = OPTIMIZERS[kind]
     rng = np.random.default_rng(0)
     data = [(rng.standard_normal((BATCH, 8)).astype("float32"),
              rng.standard_normal((BATCH, 4)).astype("float32"))
             for _ in range(6)]
-    reference, reference_adam = biased_mlp(), keras.optimizers.Adam(0.01)
-    tape_steps(reference, reference_adam, data)
-    model, adam = biased_mlp(), keras.optimizers.Adam(0.01)
+    reference, reference_optimizer = biased_mlp(), make()
+    tape_steps(reference, reference_optimizer, data)
+    model, optimizer = biased_mlp(), make()
     if first == "keras":
-        tape_steps(model, adam, data[:2])
+        tape_steps(model, optimizer, data[:2])
     else:
-        trainer_steps(model, adam, data[:2], budgeted=False)
-    assert int(adam.iterations.numpy()) == 2
-    trainer_steps(model, adam, data[2:4], budgeted=True)
-    trainer_steps(model, adam, data[4:], budgeted=False)
-    assert int(adam.iterations.numpy()) == 6
+        trainer_steps(model, optimizer, data[:2], budgeted=False)
+    assert int(optimizer._iterations.numpy()) == 2
+    trainer_steps(model, optimizer, data[2:4], budgeted=True)
+    trainer_steps(model, optimizer, data[4:], budgeted=False)
+    assert int(optimizer._iterations.numpy()) == 6
     for got, want in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    got, want = state(adam), state(reference_adam)
-    assert len(got) == len(want) == 2 + 2 * 10
+    got, want = state(optimizer), state(reference_optimizer)
+    assert len(got) == len(want) == count
     for (kind, value), (want_kind, want_value) in zip(got, want):
         assert kind == want_kind
         np.testing.assert_allclose(value, want_value, rtol=1e-5, atol=1e-7,
                                    err_msg=kind)
+
+
+def test_state_the_trainer_cannot_place_is_refused_or_kept_with_a_warning():
+    """Adafactor names its factored moments after the variable's name
+    ("kernel"), not its path: no layer's can be told apart. A fresh one
+    trains as before and close() warns (and closes) without giving it
+    state; one with state is refused."""
+    rng = np.random.default_rng(0)
+    data = [(rng.standard_normal((BATCH, 8)).astype("float32"),
+             rng.standard_normal((BATCH, 4)).astype("float32"))]
+    model, adafactor = biased_mlp(), keras.optimizers.Adafactor(0.01)
+    with pytest.warns(RuntimeWarning, match="could not give the optimizer "
+                      "its layers' state.*cannot tell apart by layer"):
+        trainer_steps(model, adafactor, data, budgeted=False)
+    assert not adafactor.built
+    tape_steps(model, adafactor, data)
+    with pytest.raises(ValueError, match="Adafactor keeps state the "
+                       "layer-wise trainer cannot tell apart by layer"):
+        LayerwiseTrainer(model, adafactor, "mse", BATCH)
+    LayerwiseTrainer(model, "adam", "mse", BATCH).close()  # model free
 
 
 def test_optimizer_state_round_trips_through_a_checkpoint(tmp_path):
