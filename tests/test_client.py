@@ -281,6 +281,9 @@ def test_virtual_iteration_row_subsets(thread_cluster):
             client.clock()
         full = client.read(table)
         assert full[sorted(rows)].min() == 3 and full.sum() == 3 * 6 * 64
+        with client.virtual_iteration() as vi:  # (rows [] waits for none)
+            nothing = vi.read(table, np.array([], np.int64))
+        assert client.read(nothing, clock=5).shape == (0, 64)
         with pytest.raises(ValueError, match="row 2000 is outside"):
             client.virtual_iteration().read(table, [2000])
 

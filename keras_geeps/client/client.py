@@ -1091,6 +1091,8 @@ class GeePSClient:
         table = handle.table
         required = self._required_age(table, clock)
         parts = [p for p, _, _ in handle.parts]
+        if handle.rows is not None and not parts:
+            return 0  # an access of no rows: nothing to wait for
         started = time.monotonic()
         deadline = started + self.timeout
         with self._cond:
