@@ -103,9 +103,13 @@ class GeePSExtended(one_device_strategy.OneDeviceExtended):
 
     def _call_for_each_replica(self, fn, args, kwargs):
         parent = super()._call_for_each_replica
+        train = is_keras_train_step(fn)
+        if train:  # its model's tables: another's may be loaded yet
+            builds = inspect.unwrap(fn).__self__.weights
+        else:
+            builds = not is_keras_eval_step(fn)
         return self._geeps_sync.wrap_step(
-            lambda: parent(fn, args, kwargs), is_keras_train_step(fn),
-            builds_tables=not is_keras_eval_step(fn))
+            lambda: parent(fn, args, kwargs), train, builds_tables=builds)
 
 
 def init_strategy(strategy, device, sync):

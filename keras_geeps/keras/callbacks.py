@@ -108,11 +108,11 @@ class ParameterServerCallback(keras.callbacks.Callback):
         """
         if not self._synced:
             sync = self.strategy.parameter_sync
-            if not sync.tables and sync.pending_count():
+            if sync.pending_count() and self.model is not None:
                 # A fit that ran no step (epochs=0, initial_epoch past
-                # epochs, no data): its tables now, so that every worker
-                # ends with the same (worker 0's initial) weights too.
-                sync.build_pending()
+                # epochs, no data): its model's tables now, so that every
+                # worker ends with the same (worker 0's initial) weights.
+                sync.build_pending(self.model.weights)
             self.strategy.sync()
             self._synced = True
 

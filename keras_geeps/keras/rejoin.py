@@ -126,7 +126,7 @@ def _plan(strategy, model, steps_per_epoch):
     if not steps_per_epoch:
         raise _CannotLineUp("this fit's steps per epoch are unknown")
     sync = strategy.parameter_sync
-    sync.build_pending()
+    sync.build_pending(model.weights)
     if not sync.tables:
         raise _CannotLineUp("the model has no parameter tables yet")
     _even_out(client, sync.stepped_tables())

@@ -322,9 +322,13 @@ class ParameterSync:
             call: the step, a callable of no arguments.
             is_train_step: whether it is a Keras model's `train_step`.
             builds_tables: whether the tables of variables tracked since
-                the last build are built first (False for a Keras test or
-                predict step: weights set between one and the first `fit`
-                are what the tables start from). Defaults to True.
+                the last build are built first: True, False (a Keras test
+                or predict step: weights set between one and the first
+                `fit` are what the tables start from) or the variables
+                whose tables to build (a Keras train step: its model's
+                weights, so that another model's weights, loaded before
+                its own first `fit`, are what its tables start from).
+                Defaults to True.
         """
         if _tf_hooks.in_xla_context():
             raise GeePSError(
@@ -335,8 +339,10 @@ class ParameterSync:
             # A step's own nested call_for_each_replica (LossScaleOptimizer
             # applies its inner optimizer through one): already wrapped.
             return call()
-        if builds_tables:
+        if builds_tables is True:
             self.build_pending()
+        elif builds_tables is not False:
+            self.build_pending(builds_tables)
         if not self.tables:
             return self._run_untabled(call)
         # One op pulls every table, in layer order: the step waits for all
@@ -449,41 +455,59 @@ class ParameterSync:
         yet: theirs are built at the next step run through the strategy."""
         return len(self._candidates)
 
-    def build_pending(self):
+    def build_pending(self, variables=None):
         """Builds the tables of variables tracked since the last build, if
-        any (outside any function being traced)."""
+        any (outside any function being traced).
+
+        Args:
+            variables: build only the tracked ones among these (a model's
+                weights: its first train step), leaving the others pending.
+                Defaults to None: all of them.
+        """
         if self._candidates:
             with tf.init_scope():
-                self.build()
+                self.build(variables)
 
-    def build(self):
+    def build(self, variables=None):
         """Creates one table per layer from the tracked trainable variables.
 
         Collective: every worker builds the same tables in the same order
-        (the same model code creates the same variables). Worker 0's values
-        initialise the tables; the others take them at their first pull.
-        Variables created after a build (a second model in the scope) get
-        their tables at the next build, appended to `tables`.
+        (the same model code creates the same variables, and trains its
+        models in the same order). Worker 0's values initialise the tables;
+        the others take them at their first pull. Variables created after
+        a build (a second model in the scope) get their tables at the next
+        build, appended to `tables`.
+
+        Args:
+            variables: build only the tracked ones among these, leaving the
+                others pending (a second model's, whose weights may still
+                be loaded before its own first `fit`). Defaults to None:
+                all of them.
 
         Raises:
             GeePSError: a layer's new variables would need a table whose
                 name an existing table has (a layer that created variables
                 after its table was built, or two models of the same name).
         """
+        chosen, pending = self._candidates, []
+        if variables is not None:
+            wanted = _ids(variables)
+            chosen = [c for c in self._candidates if id(c[0]) in wanted]
+            pending = [c for c in self._candidates if id(c[0]) not in wanted]
         groups, paths = {}, {}
-        for variable, keras_path in self._candidates:
+        for variable, keras_path in chosen:
             key = (layer_name(variable, keras_path), variable.dtype.name)
             groups.setdefault(key, []).append(variable)
             path = keras_path or variable.name.split(":")[0]
             if path in paths.setdefault(key, set()):
-                self._candidates = []
+                self._candidates = pending
                 raise GeePSError(
                     f"two variables are called {path!r}: two layers of one "
                     f"name (in two functional models, whose variable paths "
                     f"hold only the layer's name) would share one parameter "
                     f"table; give the layers distinct names")
             paths[key].add(path)
-        self._candidates = []
+        self._candidates = pending
         existing = {layer.table.name for layer in self.tables}
         for (name, dtype), variables in groups.items():
             table_name = name if dtype == "float32" else f"{name}:{dtype}"

@@ -192,3 +192,33 @@ class _NoStrategy:
     def scope():
         import contextlib  # noqa: PLC0415
         return contextlib.nullcontext()
+
+
+def _two_models_loaded_between(strategy_or_none, pretrained):
+    """Models A and B made together; A trained; B loaded (a pretrained
+    model's weights) and trained."""
+    scope = _NoStrategy() if strategy_or_none is None else strategy_or_none
+    first = small_model(scope, name="first")
+    second = small_model(scope, name="second")
+    x, y = regression_data(STEPS * BATCH)
+    first.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    second.set_weights(pretrained)
+    second.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return _weights(first), _weights(second)
+
+
+def test_a_second_models_weights_loaded_after_the_first_trained_count(
+        thread_cluster):
+    """A model's tables are built at its own first train step: another
+    model's training built them before, from its weights then, and the
+    weights loaded after were replaced as its fit began (1.1 off)."""
+    pretrained = [np.full(w.shape, 0.1 * (i + 1), np.float32)
+                  for i, w in enumerate(small_model(
+                      _NoStrategy()).get_weights())]
+    with one_worker_strategy(thread_cluster) as strategy:
+        got = _two_models_loaded_between(strategy, pretrained)
+        names = [layer.name for layer in strategy.parameter_sync.tables]
+    assert names == ["first/a", "first/b", "second/a", "second/b"]
+    for mine, plain in zip(got, _two_models_loaded_between(None,
+                                                           pretrained)):
+        np.testing.assert_allclose(mine, plain, rtol=1e-5, atol=1e-6)

@@ -72,8 +72,10 @@ def test_a_model_created_after_the_first_step_gets_its_tables(
 def test_functional_layers_of_one_name_never_share_a_table(strategy):
     """A functional model's variable paths hold only the layer's name: two
     such models with a layer "head" each would have been packed into one
-    table, silently; refused, naming the path. Another model of one name
-    built later is refused with the remedy for both kinds of model."""
+    table, silently. Built together (a custom loop's step builds every
+    pending table) they are refused, naming the path; a model whose
+    tables come after another's (each model's at its own first train
+    step) is refused with the remedy for both kinds of model."""
     def functional(name):
         inputs = keras.Input((5,))
         model = keras.Model(inputs, keras.layers.Dense(2, name="head")(
@@ -85,8 +87,9 @@ def test_functional_layers_of_one_name_never_share_a_table(strategy):
         first, second = functional("first"), functional("second")
     with pytest.raises(GeePSError, match="two variables are called "
                                          "'head/kernel'"):
-        _fit(first)
+        strategy.parameter_sync.build_pending()
     assert strategy.parameter_sync.tables == []
+    del first
     with strategy.scope():
         third = functional("third")
     _fit(third)

@@ -16,6 +16,7 @@ keras = pytest.importorskip("keras")
 from keras_geeps.errors import GeePSError  # noqa: E402
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
 from keras_geeps.keras import _tf_hooks  # noqa: E402
+from keras_geeps.keras.capture import variable_name  # noqa: E402
 
 
 def _model():
@@ -37,7 +38,9 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         real_note(variable)
 
     def wrap(call, is_train_step=False, builds_tables=True):
-        calls["steps"].append((is_train_step, builds_tables))
+        builds = builds_tables if isinstance(builds_tables, bool) else \
+            [variable_name(v) for v in builds_tables]
+        calls["steps"].append((is_train_step, builds))
         return real_wrap(call, is_train_step, builds_tables)
 
     def track(variable, trainable, keras_path=None):
@@ -59,9 +62,11 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
             f"{model.name}/{layer}/{v}" for layer in "ab"
             for v in ("kernel", "bias")]      # their Keras variables' paths
         assert calls["updates"] == 4          # once per variable, at trace
-        # fit's train_step detected (it builds the tables); evaluate's
-        # test_step and predict's step too (they build none)
-        assert calls["steps"][0] == (True, True)
+        # fit's train_step detected (it builds its model's tables);
+        # evaluate's test_step and predict's step too (they build none)
+        assert calls["steps"][0] == (True, [
+            f"{model.name}/{layer}/{v}" for layer in "ab"
+            for v in ("kernel", "bias")])
         assert calls["steps"][1:] == [(False, False)] * 2
         assert [t.name for t in sync.tables] == [f"{model.name}/a",
                                                  f"{model.name}/b"]
