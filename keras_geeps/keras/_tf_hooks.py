@@ -105,7 +105,10 @@ class GeePSExtended(one_device_strategy.OneDeviceExtended):
         parent = super()._call_for_each_replica
         train = is_keras_train_step(fn)
         if train:  # its model's tables: another's may be loaded yet
-            builds = inspect.unwrap(fn).__self__.weights
+            model = inspect.unwrap(fn).__self__
+
+            def builds():  # (read only when variables are pending)
+                return model.weights
         else:
             builds = not is_keras_eval_step(fn)
         return self._geeps_sync.wrap_step(

@@ -296,14 +296,15 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         if self._memory is not None:
             self._memory.materialize()
         sync = self.parameter_sync
-        if not sync.tables and sync.pending_count():
+        if sync.pending_count():
             warnings.warn(
-                f"strategy.sync(): no step has run through the strategy, so "
-                f"the {sync.pending_count()} trainable variables created in "
-                f"its scope have no parameter table and nothing was synced "
-                f"(a step that trains them must run as strategy.run(step_fn,"
-                f" args), or through fit; called directly, it trains this "
-                f"worker's copy alone)", stacklevel=2)
+                f"strategy.sync(): no step that trains them has run through "
+                f"the strategy, so {sync.pending_count()} trainable "
+                f"variables created in its scope have no parameter table "
+                f"and were not synced (a model not fit yet; a step that "
+                f"trains them must run as strategy.run(step_fn, args), or "
+                f"through fit; called directly, it trains this worker's "
+                f"copy alone)", stacklevel=2)
         sync.pull_all(full=True)
 
     # ------------------------------------------------- memory management

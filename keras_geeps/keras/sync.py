@@ -325,10 +325,11 @@ class ParameterSync:
                 the last build are built first: True, False (a Keras test
                 or predict step: weights set between one and the first
                 `fit` are what the tables start from) or the variables
-                whose tables to build (a Keras train step: its model's
-                weights, so that another model's weights, loaded before
-                its own first `fit`, are what its tables start from).
-                Defaults to True.
+                whose tables to build, or a callable returning them (a
+                Keras train step: its model's weights, so that another
+                model's weights, loaded before its own first `fit`, are
+                what its tables start from; the others it trains get
+                theirs once traced). Defaults to True.
         """
         if _tf_hooks.in_xla_context():
             raise GeePSError(
@@ -341,8 +342,11 @@ class ParameterSync:
             return call()
         if builds_tables is True:
             self.build_pending()
-        elif builds_tables is not False:
-            self.build_pending(builds_tables)
+        elif builds_tables is not False and self._candidates:
+            self.build_pending(builds_tables() if callable(builds_tables)
+                               else builds_tables)
+            if not self.tables:  # (none of them a model's weight: all)
+                self.build_pending()
         if not self.tables:
             return self._run_untabled(call)
         # One op pulls every table, in layer order: the step waits for all
@@ -369,6 +373,13 @@ class ParameterSync:
                 "optimizer, so nothing would reach the shards: create the "
                 "model inside strategy.scope() and update its variables "
                 "with its optimizer (optimizer.apply / apply_gradients)")
+        # Variables of the scope the step trains beyond its model's weights
+        # (a tf.Variable attribute, another model it reaches): their
+        # tables now, pulled by the step's pull op when it runs.
+        pending = _ids(v for v, _ in self._candidates)
+        strays = [v for key, v in updated.items() if key in pending]
+        if strays:
+            self.build_pending(strays)
         self._check_tabled(updated)
         groups = self._push_groups(updated)
         for group in groups:  # the last one counts the step

@@ -270,6 +270,23 @@ def _carry_state_in(optimizer, units):
         copy.assign(source)
 
 
+def _build_on_host(optimizer, variables):
+    """Builds `optimizer` for `variables` with its state in host memory
+    (Keras places each slot beside its variable, on the device, where the
+    trainer's budget has no room for a second state), in the scope of the
+    distribution strategy it was made in."""
+    def on_host(next_creator, **kwargs):
+        with tf.device("/cpu:0"):  # (inside Keras' colocation: wins)
+            return next_creator(**kwargs)
+
+    strategy = getattr(optimizer, "_distribution_strategy", None)
+    scope = strategy.scope() if strategy is not None and \
+        strategy is not tf.distribute.get_strategy() else \
+        contextlib.nullcontext()
+    with scope, tf.variable_creator_scope(on_host):
+        optimizer.build(variables)
+
+
 def _state_placeable(units):
     """Whether an unbuilt optimizer, once built for the model, could take
     the copies' state (`_state_pairs`): every copy's state not named
@@ -1260,8 +1277,7 @@ class LayerwiseTrainer:
                     raise ValueError(
                         f"{type(optimizer).__name__} keeps state the "
                         f"layer-wise trainer cannot tell apart by layer")
-                with tf.device("/cpu:0"):
-                    optimizer.build(self.model.trainable_variables)
+                _build_on_host(optimizer, self.model.trainable_variables)
             pairs = _state_pairs(optimizer, units)
             for copy, target in pairs:
                 target.assign(copy)
@@ -1272,9 +1288,9 @@ class LayerwiseTrainer:
                           f"optimizer does not hold it, and a new trainer "
                           f"given it starts from what it holds",
                           RuntimeWarning, stacklevel=3)
-            return
-        for unit in units:
-            unit._empty(unit.tf_state)
+        finally:
+            for unit in units:
+                unit._empty(unit.tf_state)
 
     def _recover_weights(self):
         """After a failed step: the staged layers' variables from the host

@@ -222,3 +222,53 @@ def test_a_second_models_weights_loaded_after_the_first_trained_count(
     for mine, plain in zip(got, _two_models_loaded_between(None,
                                                            pretrained)):
         np.testing.assert_allclose(mine, plain, rtol=1e-5, atol=1e-6)
+
+
+class _WithTemperature(keras.Sequential):
+    """A model whose train step also trains a raw tf.Variable attribute,
+    which Keras does not count among its weights."""
+
+    def build_temperature(self):
+        self.temperature = tf.Variable(1.0, name="temperature")
+        self.temperature_optimizer = keras.optimizers.SGD(0.05)
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(
+                self(x, training=True) * self.temperature - y))
+        grads = tape.gradient(loss, self.trainable_weights +
+                              [self.temperature])
+        self.optimizer.apply_gradients(zip(grads[:-1],
+                                           self.trainable_weights))
+        self.temperature_optimizer.apply_gradients(
+            [(grads[-1], self.temperature)])
+        return {"loss": loss}
+
+
+def _fit_with_temperature(scope):
+    with scope.scope():
+        keras.utils.set_random_seed(1)
+        model = _WithTemperature([keras.Input((5,)),
+                                  keras.layers.Dense(3, name="a"),
+                                  keras.layers.Dense(2, name="b")],
+                                 name="tempered")
+        model.build_temperature()
+        model.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False)
+    x, y = regression_data(STEPS * BATCH)
+    model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return np.append(_weights(model), model.temperature.numpy())
+
+
+def test_a_variable_the_step_trains_beyond_its_models_weights_is_tabled(
+        thread_cluster):
+    """A train step builds its model's tables; a variable of the scope it
+    trains beyond the model's weights gets its table once the step is
+    traced, and trains as in plain Keras."""
+    with one_worker_strategy(thread_cluster) as strategy:
+        got = _fit_with_temperature(strategy)
+        names = [layer.name for layer in strategy.parameter_sync.tables]
+        assert strategy.parameter_sync.pending_count() == 0
+    assert len(names) == 3 and "temperature" in names[-1]
+    np.testing.assert_allclose(got, _fit_with_temperature(_NoStrategy()),
+                               rtol=1e-5, atol=1e-6)

@@ -119,8 +119,9 @@ def test_sync_warns_when_no_step_ran_through_the_strategy(thread_cluster):
         step = _sgd_step(model, model.optimizer)
 
         tf.function(step)(x, y)  # not through strategy.run
-        with pytest.warns(UserWarning, match="no step has run through the "
-                          "strategy, so the 4 trainable variables"):
+        with pytest.warns(UserWarning, match="no step that trains them has "
+                          "run through the strategy, so 4 trainable "
+                          "variables"):
             strategy.sync()
         tf.function(lambda x, y: strategy.run(step, args=(x, y)))(x, y)
         with warnings.catch_warnings():

@@ -39,7 +39,7 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
 
     def wrap(call, is_train_step=False, builds_tables=True):
         builds = builds_tables if isinstance(builds_tables, bool) else \
-            [variable_name(v) for v in builds_tables]
+            [variable_name(v) for v in builds_tables()]
         calls["steps"].append((is_train_step, builds))
         return real_wrap(call, is_train_step, builds_tables)
 
