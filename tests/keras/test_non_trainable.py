@@ -225,16 +225,20 @@ def test_a_worker_that_never_comes_is_named_within_the_timeout(
     assert results[0] < 10  # the client's timeout, not forever
 
 
+def _two_workers(thread_cluster):
+    """A 1-shard cluster of 2 workers, and 16 samples of 5 -> 2 (x, y)."""
+    rng = np.random.default_rng(0)
+    return (thread_cluster(1, 2), rng.normal(size=(16, 5)).astype("float32"),
+            rng.normal(size=(16, 2)).astype("float32"))
+
+
 def test_validating_on_one_worker_only_is_named(thread_cluster):
     """The statistics are averaged before validation where it runs, after
     the logs elsewhere: with validation on worker 0 only, the workers make
     their barrier tables in different orders. Worker 0 is told why (not
     the shard's 'table 3 exists as ...'); worker 1 waits, then times out."""
     from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
-    cluster = thread_cluster(1, 2)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(16, 5)).astype("float32")
-    y = rng.normal(size=(16, 2)).astype("float32")
+    cluster, x, y = _two_workers(thread_cluster)
 
     def worker(w):
         strategy = GeePSStrategy(client=cluster.client(w, timeout=5))
@@ -261,3 +265,40 @@ def test_validating_on_one_worker_only_is_named(thread_cluster):
     assert "reached their epoch-end barriers in different orders" in \
         str(results[0]) and "validation settings" in str(results[0])
     assert isinstance(results[1], GeePSTimeoutError)
+
+
+def test_workers_training_their_models_in_other_orders_are_refused(
+        thread_cluster):
+    """Each model's tables are made at its own first train step, so the
+    workers must train their models in one order: worker 1 fitting its
+    second model first declares (as table 0) what worker 0 creates as its
+    first model's. Whichever comes second is refused naming both tables;
+    the other waits for it, and times out."""
+    from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
+    cluster, x, y = _two_workers(thread_cluster)
+
+    def worker(w):
+        strategy = GeePSStrategy(client=cluster.client(w, timeout=5))
+        try:
+            with _BUILD, strategy.scope():
+                models = [keras.Sequential([
+                    keras.Input((5,)), keras.layers.Dense(2, name="a")],
+                    name=name) for name in ("first", "second")]
+                for model in models:
+                    model.compile(optimizer="sgd", loss="mse",
+                                  jit_compile=False)
+            with pytest.raises(GeePSError) as raised:
+                for model in models if w == 0 else models[::-1]:
+                    model.fit(x[w::2], y[w::2], batch_size=4, verbose=0,
+                              callbacks=strategy.callbacks())
+            return raised.value
+        finally:
+            strategy.close()
+
+    results, errors = run_worker_threads(2, worker)
+    assert not errors, errors[0]
+    refused = [str(e) for e in results.values()
+               if not isinstance(e, GeePSTimeoutError)]
+    assert len(refused) == 1, results
+    assert "exists as" in refused[0] and "'first/a'" in refused[0] and \
+        "'second/a'" in refused[0]
