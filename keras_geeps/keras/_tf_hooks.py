@@ -257,15 +257,22 @@ def catch_up(variables):
         active.catch_up(variables)
 
 
-def _catch_up_model(model):
+def _for_model(model, method):
+    """Calls `method` (the name of a `ParameterSync` method taking
+    variables) of every open sync with `model`'s weights; nothing without
+    a model or a sync."""
     if model is not None and _all_syncs:
-        catch_up(model.weights)
+        weights = model.weights
+        for active in list(_all_syncs):
+            getattr(active, method)(weights)
+
+
+def _catch_up_model(model):
+    _for_model(model, "catch_up")
 
 
 def _restart_model_from_shards(model):
-    if model is not None and _all_syncs:
-        for active in list(_all_syncs):
-            active.restart_from_shards(model.weights)
+    _for_model(model, "restart_from_shards")
 
 
 # CallbackList methods before whose callbacks the weights are made current:
@@ -403,9 +410,7 @@ def install_fit_hooks():
         # The shards' rows now, not at the first step: what a callback
         # writes from here on (at on_epoch_begin, before the first batch)
         # is a write of this fit, which the first step carries.
-        if model is not None and _all_syncs:
-            for active in list(_all_syncs):
-                active.pull_restarted(model.weights)
+        _for_model(model, "pull_restarted")
         return result
 
     @functools.wraps(on_test_begin)

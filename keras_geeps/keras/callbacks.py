@@ -108,7 +108,7 @@ class ParameterServerCallback(keras.callbacks.Callback):
         """
         if not self._synced:
             sync = self.strategy.parameter_sync
-            if sync.pending_count() and self.model is not None:
+            if self.model is not None:
                 # A fit that ran no step (epochs=0, initial_epoch past
                 # epochs, no data): its model's tables now, so that every
                 # worker ends with the same (worker 0's initial) weights.

@@ -714,10 +714,16 @@ class ParameterSync:
         behind = [i for i, layer in enumerate(self.tables) if layer.behind]
         if not behind:
             return
+        for index in self._holding(variables, behind):
+            self.pull(index)
+
+    def _holding(self, variables, indices=None):
+        """The positions (among `indices`; defaults to all) of the tables
+        holding one of `variables` (tf or keras.Variables)."""
         wanted = _ids(variables)
-        for index in behind:
-            if any(id(v) in wanted for v in self.tables[index].variables):
-                self.pull(index)
+        return [i for i in (range(len(self.tables)) if indices is None
+                            else indices)
+                if any(id(v) in wanted for v in self.tables[i].variables)]
 
     def restart_from_shards(self, variables):
         """Has the next pull of each layer among `variables` assign the
@@ -734,10 +740,9 @@ class ParameterSync:
         Args:
             variables: tf.Variables or keras.Variables (a model's weights).
         """
-        wanted = _ids(variables)
-        for layer in self.tables:
-            if not layer.snapshot_stale and \
-                    any(id(v) in wanted for v in layer.variables):
+        for index in self._holding(variables):
+            layer = self.tables[index]
+            if not layer.snapshot_stale:
                 layer.pulled_ages = None  # the next pull reads and assigns
 
     def pull_restarted(self, variables):
@@ -746,10 +751,8 @@ class ParameterSync:
         callbacks begin: a write of theirs from then on (at
         `on_epoch_begin`, before the first batch) is one of this fit, that
         the first step carries, not one its pull replaces."""
-        wanted = _ids(variables)
-        for index, layer in enumerate(self.tables):
-            if layer.pulled_ages is None and \
-                    any(id(v) in wanted for v in layer.variables):
+        for index in self._holding(variables):
+            if self.tables[index].pulled_ages is None:
                 self.pull(index)
 
     def push(self, index, values=None):

@@ -1247,7 +1247,7 @@ class LayerwiseTrainer:
             return
         if not self._broken:
             self.materialize()  # raises with the trainer open, as it was
-            self._carry_state_out()  # (so does this)
+            self._carry_state_out()  # (a warning where it cannot)
         try:
             if self._broken:
                 self._recover_weights()

@@ -938,8 +938,9 @@ class ShardServer:
             problem = self._row_problem(table_id, spec)
             if problem is not None:
                 return problem + " (beyond this shard's limits)"
-        need = sum(self._table_room(spec)[1] for spec in specs.values())
-        nbytes = sum(self._table_room(spec)[0] for spec in specs.values())
+        rooms = [self._table_room(spec) for spec in specs.values()]
+        nbytes = sum(rows for rows, _ in rooms)
+        need = sum(room for _, room in rooms)
         if len(specs) > self.settings.max_tables or \
                 need > self.settings.max_table_bytes:
             return (f"{len(specs)} tables of {nbytes} bytes, beyond this "

@@ -293,12 +293,13 @@ class BufferPool:
         mine = {key for key, w in self.writers.items() if w == worker}
         if not mine:
             return set()
-        for buffer, _ in [e for e in self.free if id(e[0]) in mine]:
-            self.discard(buffer)
+        freed = [buffer for buffer, _ in self.free if id(buffer) in mine]
         self.free = [e for e in self.free if id(e[0]) not in mine]
+        for buffer in freed:
+            self.discard(buffer)
         for key in mine:
             self.writers.pop(key, None)
-        return mine
+        return mine - {id(buffer) for buffer in freed}
 
     def put(self, buffer, trackers=()):
         if self.arena is not None and id(buffer) not in self.shared:
