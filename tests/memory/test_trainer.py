@@ -20,13 +20,19 @@ from keras_geeps.memory.trainer import LayerwiseTrainer
 WIDTH, LAYERS, BATCH, STEPS = 64, 16, 4, 3
 
 
-def mlp():
+def seeded_mlp(width, layers, outputs):
+    """`layers` relu Dense(width) on inputs of `width`, then
+    Dense(outputs), seeded (every call gives the same weights)."""
     keras.utils.set_random_seed(0)
     return keras.Sequential(
-        [keras.Input((WIDTH,))]
-        + [keras.layers.Dense(WIDTH, activation="relu")
-           for _ in range(LAYERS)]
-        + [keras.layers.Dense(10)])
+        [keras.Input((width,))]
+        + [keras.layers.Dense(width, activation="relu")
+           for _ in range(layers)]
+        + [keras.layers.Dense(outputs)])
+
+
+def mlp():
+    return seeded_mlp(WIDTH, LAYERS, 10)
 
 
 def mixed():

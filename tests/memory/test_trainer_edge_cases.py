@@ -18,7 +18,8 @@ from keras_geeps.memory import MemoryBudgetError, plan, record_model
 from keras_geeps.memory import trainer as trainer_module
 from keras_geeps.memory.swapping import AccessPool, Worker
 from keras_geeps.memory.trainer import LayerwiseTrainer
-from tests.memory.test_trainer import assert_same, keras_reference
+from tests.memory.test_trainer import (assert_same, keras_reference,
+                                       seeded_mlp)
 
 BATCH = 4
 
@@ -161,11 +162,7 @@ def test_frozen_weights_and_statistics_are_planned_and_audited():
 
 # ------------------------------------------- 6. weights between two steps
 def small_mlp():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [keras.Input((64,))]
-        + [keras.layers.Dense(64, activation="relu") for _ in range(4)]
-        + [keras.layers.Dense(10)])
+    return seeded_mlp(64, 4, 10)
 
 
 def test_weights_read_or_saved_between_steps_are_never_empty(tmp_path):

@@ -11,17 +11,13 @@ import tensorflow as tf
 
 from keras_geeps.memory import plan, record_model
 from keras_geeps.memory.trainer import LayerwiseTrainer, _probe_state_bytes
-from tests.memory.test_trainer import assert_same
+from tests.memory.test_trainer import assert_same, seeded_mlp
 
 BATCH = 4
 
 
 def mlp():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [keras.Input((16,))]
-        + [keras.layers.Dense(16, activation="relu") for _ in range(4)]
-        + [keras.layers.Dense(1)])
+    return seeded_mlp(16, 4, 1)
 
 
 def regression_batch(shape=(16,), batch=BATCH, seed=0):
