@@ -25,7 +25,7 @@ in `finalize_variable_values` (the end of `fit`; under `use_ema` that
 makes the workers' mean moving averages the weights everywhere,
 `ParameterSync.finalize_moving_average`); and at `fit`'s start, and at
 each `train_on_batch`, has the first step take the shards' rows, whatever
-weights were set since. `_install_write_watch` tells the syncs of eager
+weights were set since. `install_write_watch` tells the syncs of eager
 writes to tf.Variables (a callback's `set_weights` between steps), whose
 layers' next pushes must then be measured rather than captured.
 `install_fit_hooks` has a worker that rejoined a job under way line up
@@ -187,7 +187,7 @@ def install_update_capture():
     if cls.__dict__.get("_geeps_capture_installed"):
         return
     _install_catch_ups()
-    _install_write_watch()
+    install_write_watch()
     for name, sign in (("assign_add", 1.0), ("assign_sub", -1.0)):
         original = getattr(cls, name)
 
@@ -212,7 +212,7 @@ _WRITES = ("assign", "assign_add", "assign_sub", "scatter_add",
            "scatter_nd_max", "scatter_nd_min")
 
 
-def _install_write_watch():
+def install_write_watch():
     """Has every sync hear of each write of a tf.Variable through its
     methods (`assign*`, `scatter*`) outside the steps it wraps: an eager
     one (a callback's `set_weights`, `load_weights`, a variable's own
@@ -221,8 +221,12 @@ def _install_write_watch():
     outside any step (a callback's `tf.function`), when traced
     (`note_traced_write`), for good, since that function may run before
     any push. A captured layer's next push must carry such writes, as a
-    measured one does. Costs a check per eager write and per traced one,
-    nothing per run of a traced step."""
+    measured one does, and under "sum" any layer's push must send them
+    averaged over the workers. Costs a check per eager write and per
+    traced one, nothing per run of a traced step. Idempotent."""
+    if resource_variable_ops.BaseResourceVariable.__dict__.get(
+            "_geeps_writes_watched"):
+        return
     classes = (resource_variable_ops.BaseResourceVariable,
                resource_variable_ops.ResourceVariable)
     for cls in classes:
@@ -243,6 +247,7 @@ def _install_write_watch():
                 return _original(self, *args, **kwargs)
 
             setattr(cls, name, watched)
+    resource_variable_ops.BaseResourceVariable._geeps_writes_watched = True
 
 
 def release_sync(sync):

@@ -29,7 +29,9 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
     divided by the number of workers: under plain SGD, N workers with
     per-worker batch B then follow one worker with batch N * B, to float
     rounding.
-    `"sum"` adds the updates unscaled.
+    `"sum"` adds the updates unscaled. Weights a callback writes between
+    steps (on every worker, as Keras runs it) reach the shards as the
+    workers' mean change in either mode.
 
     Create the model *and* compile it (which creates the optimizer) inside
     `scope()`, pass `jit_compile=False` (XLA cannot run the sync), and give

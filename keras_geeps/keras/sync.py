@@ -136,6 +136,9 @@ class LayerTable:
         # A function traced outside the steps writes it: every push is
         # measured (`ParameterSync.note_traced_write`).
         self.written_by_functions = False
+        # Under "sum": the change written outside the steps since the pull,
+        # measured at the step's pull (`ParameterSync._measure_outside`).
+        self.outside_change = None
         self.pulled_shared = None  # the pulled shard rows, if shared
         self._reads = _BufferPair(layout.total_size, table.dtype)
         self._uploads = _BufferPair(layout.total_size, table.dtype)
@@ -191,7 +194,9 @@ class ParameterSync:
         update_mode: "average" (default) divides each worker's update by
             the number of workers, so N workers with per-worker batch B
             under plain SGD behave like one worker with batch N * B;
-            "sum" adds the updates as they are.
+            "sum" adds the updates as they are. A change written outside
+            the steps (a callback's, on every worker) goes as the workers'
+            mean in either mode.
         max_row_width: widest table row. Defaults to 1024.
         capture_updates: under BSP, push CPU layers' updates taken from the
             optimizer rather than measured on the variables (see
@@ -205,6 +210,10 @@ class ParameterSync:
         self.update_mode = update_mode
         self.scale = 1.0 / client.num_workers if update_mode == "average" \
             else 1.0
+        # A write outside the steps (a callback's) is every worker's, as
+        # Keras runs each callback on every worker: the shards get the
+        # workers' mean change, whatever the update mode.
+        self.outside_scale = 1.0 / client.num_workers
         self.max_row_width = max_row_width
         self.tables = []
         self._layer_of = {}        # id(tf.Variable) -> its LayerTable
@@ -218,6 +227,7 @@ class ParameterSync:
         self.captured_layers = []  # layers the last train step captures
         if capture_updates:
             _tf_hooks.install_update_capture()
+        _tf_hooks.install_write_watch()
         self.lock = threading.Lock()
         self.pull_wait_seconds = 0.0
         self.pull_seconds = 0.0
@@ -602,6 +612,8 @@ class ParameterSync:
                 layer.snapshot = self._own_view(layer, current, values)
                 layer.snapshot_stale = False
                 layer.behind = False  # (as the shards will apply it)
+            if values is None:
+                self._measure_outside(layer)
             self.pull_seconds += time.perf_counter() - started
             return None
         with self.lock:
@@ -628,6 +640,7 @@ class ParameterSync:
         if values is None:
             ops.unpack(snapshot, layer.variables, layer.layout)
             layer.written_outside = False
+            layer.outside_change = None
         layer.snapshot = snapshot
         layer.snapshot_stale = False
         self.pull_seconds += time.perf_counter() - started
@@ -676,6 +689,20 @@ class ParameterSync:
         own = layer.snapshot + self.scale * (packed - layer.snapshot)
         ops.unpack(own, layer.variables, layer.layout)
         return own
+
+    def _measure_outside(self, layer):
+        """Keeps what was written into `layer`'s variables outside the
+        steps since its pull (`note_outside_write`, `note_traced_write`),
+        where the update mode does not scale it as it should: under "sum"
+        each worker's push would carry the change in full, N times what
+        N workers writing the same change (a callback's) meant. Called at
+        a pull that kept the variables, the step's before its update, so
+        that the step's push can send `outside_scale` of it."""
+        if self.outside_scale == self.scale or layer.snapshot is None or \
+                not (layer.written_outside or layer.written_by_functions):
+            return
+        layer.outside_change = ops.pack(layer.variables, layer.layout,
+                                        snapshot=layer.snapshot)
 
     def _push_op(self, indices, signs, count_step, *tensors):
         position = 0
@@ -779,10 +806,13 @@ class ParameterSync:
         the optimizer's update of each variable, captured instead of
         applied (the update is `sign * tensor`); None measures it as the
         values minus the pulled snapshot. `scale` replaces the update
-        mode's factor (a measured update only)."""
+        mode's factor (a measured update only). A change written outside
+        the steps goes at `outside_scale` (`_measure_outside`)."""
         started = time.perf_counter()
-        scale = self.scale if scale is None else scale
         layer = self.tables[index]
+        outside = layer.outside_change if scale is None else None
+        layer.outside_change = None
+        scale = self.scale if scale is None else scale
         table = layer.table
         if update is None and layer.snapshot is None:
             raise GeePSError(
@@ -790,7 +820,8 @@ class ParameterSync:
                 f"update is measured against the values pulled last, so "
                 f"pull (pull_all, or strategy.run) before the step")
         if update is not None and (layer.written_outside or
-                                   layer.written_by_functions):
+                                   layer.written_by_functions or
+                                   outside is not None):
             # Weights set since the pull: measure the update with them.
             for variable, value, sign in zip(layer.variables, *update):
                 variable.assign_add(value if sign > 0 else -value)
@@ -798,8 +829,9 @@ class ParameterSync:
             self.outside_write_pushes += 1
         if update is not None:
             rows = self._write_captured(layer, *update)
-        elif values is None and layer.snapshot is not None and layer.on_cpu \
-                and (target := self._update_target(table)) is not None:
+        elif values is None and outside is None and \
+                layer.snapshot is not None and layer.on_cpu and \
+                (target := self._update_target(table)) is not None:
             ops.pack_delta_into(layer.variables, layer.layout,
                                 layer.snapshot,
                                 as_tensor(target.reshape(-1), table.dtype),
@@ -810,6 +842,9 @@ class ParameterSync:
                              layer.layout, snapshot=layer.snapshot)
             if scale != 1.0:
                 delta = delta * tf.constant(scale, delta.dtype)
+            if outside is not None:
+                delta = delta + outside * tf.constant(
+                    self.outside_scale - scale, delta.dtype)
             rows = as_host_array(delta).reshape(table.rows, table.width)
         with self.lock:
             self.client.update(table, rows, copy=False)

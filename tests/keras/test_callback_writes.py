@@ -17,8 +17,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 tf = pytest.importorskip("tensorflow")
 
+from keras_geeps.keras import GeePSStrategy  # noqa: E402
 from tests.keras import (  # noqa: E402
     one_worker_strategy, regression_data, small_model)
+from tests.worker_threads import run_worker_threads  # noqa: E402
 
 STEPS, BATCH, EPOCHS = 4, 4, 3
 
@@ -272,3 +274,59 @@ def test_a_variable_the_step_trains_beyond_its_models_weights_is_tabled(
     assert len(names) == 3 and "temperature" in names[-1]
     np.testing.assert_allclose(got, _fit_with_temperature(_NoStrategy()),
                                rtol=1e-5, atol=1e-6)
+
+
+def _two_worker_parts(x, y):
+    """Worker w's rows, such that the combined batch i of plain Keras
+    (2 * BATCH rows) is batch i of worker 0 followed by that of worker 1."""
+    parts = []
+    for w in range(2):
+        rows = np.arange(len(x)).reshape(-1, 2, BATCH)[:, w].reshape(-1)
+        parts.append((x[rows], y[rows]))
+    return parts
+
+
+@pytest.mark.parametrize("callback", [_HalveAtEpochEnd,
+                                      _PruneAndClipInAFunction])
+@pytest.mark.parametrize("capture", [True, False])
+@pytest.mark.parametrize("update_mode", ["average", "sum"])
+def test_every_workers_callback_write_reaches_the_shards_once(
+        thread_cluster, update_mode, capture, callback):
+    """Keras runs each callback on every worker: two workers (threads)
+    making the same writes (eagerly, and in a `tf.function`) end where one
+    plain Keras worker with the combined batch does, under "sum" too, which
+    took each worker's change in full (0.35 off)."""
+    cluster = thread_cluster(1, 2)
+    start = small_model(_NoStrategy()).get_weights()
+    x, y = regression_data(2 * STEPS * BATCH)
+    parts = _two_worker_parts(x, y)
+
+    def worker(w):
+        strategy = GeePSStrategy(client=cluster.client(w, timeout=30),
+                                 update_mode=update_mode,
+                                 capture_updates=capture)
+        try:
+            model = small_model(strategy, name="m")
+            model.set_weights(start)
+            model.fit(*parts[w], batch_size=BATCH, epochs=EPOCHS,
+                      shuffle=False, verbose=0, callbacks=[callback()])
+            assert bool(strategy.parameter_sync.captured_layers) == capture
+            return _weights(model), _rows(strategy)
+        finally:
+            strategy.close()
+
+    results, errors = run_worker_threads(2, worker, timeout=120)
+    assert not errors, errors
+    (mine, rows), (theirs, _) = results[0], results[1]
+    np.testing.assert_array_equal(mine, theirs)
+    np.testing.assert_array_equal(mine, rows)
+    # Under "sum" each worker's mean-gradient step adds up: plain Keras
+    # with the combined batch steps twice as far.
+    reference = small_model(_NoStrategy())
+    reference.optimizer.learning_rate.assign(
+        0.1 if update_mode == "average" else 0.2)
+    reference.set_weights(start)
+    reference.fit(x, y, batch_size=2 * BATCH, epochs=EPOCHS, shuffle=False,
+                  verbose=0, callbacks=[callback()])
+    np.testing.assert_allclose(mine, _weights(reference), rtol=1e-5,
+                               atol=1e-6)
