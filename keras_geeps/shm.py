@@ -131,6 +131,14 @@ class SharedBuffer:
             os.close(self.fd)
             self.fd = -1
 
+    def unmap(self):
+        """Closes the descriptor and the mapping (with the descriptor
+        `mmap` keeps of its own) at once: for a buffer of which no view
+        but `array` was made, which is gone after."""
+        self.close()
+        self.array = None
+        self._mmap.close()
+
 
 def _raise_fd_limit():
     """Every shared buffer keeps a descriptor open (peers open it through
@@ -183,7 +191,8 @@ class Arena:
     def close(self):
         for buffer in list(self._buffers):
             buffer.close()
-        self._probe.close()
+        if self._probe.array is not None:
+            self._probe.unmap()  # (only describe() reads it: its fd)
 
 
 class _Hold:

@@ -892,10 +892,13 @@ def _mapped_memfd_bytes():
 def test_a_closed_client_kept_as_an_object_holds_no_table_memory(
         process_cluster):
     """Its cached rows, upload buffers and mappings of the shard's buffers
-    go at close(), not when the object is collected."""
+    go at close(), not when the object is collected, and so do their
+    descriptors, which kept the memory of every closed client (one
+    16 MiB upload buffer each) with nothing mapping it."""
     cluster = process_cluster(1, 1, output=None)
     gc.collect()
     before = _mapped_memfd_bytes()
+    memfds = _memfds()
     kept = []
     for _ in range(2):
         client = cluster.client(0, timeout=30, shared_memory=True)
@@ -908,6 +911,7 @@ def test_a_closed_client_kept_as_an_object_holds_no_table_memory(
         kept.append(client)
         gc.collect()
         assert _mapped_memfd_bytes() - before < 1 << 20
+        assert _memfds() == memfds
         with pytest.raises(GeePSError, match="the client is closed"):
             client.read(table)
 

@@ -1608,14 +1608,16 @@ class GeePSClient:
         if self._io is not None:
             self._io.close()  # fails the requests still waiting
         # Nothing runs for this client any more: a closed client kept as
-        # an object holds no rows, buffers or shard mappings.
+        # an object holds no rows, buffers or shard mappings. The arena
+        # first: it closes the descriptors of the buffers it still knows
+        # of, which it forgets (weakly held) once the tables let go.
+        if self._arena is not None:
+            self._arena.close()
         for table in self._tables:
             table.let_go()
         self._shm_peers.clear()
         self._shm_upload.clear()
         self._releases.clear()
-        if self._arena is not None:
-            self._arena.close()
 
     def _leave(self, wait):
         """Sends LEAVE to every shard that watches for silent workers, and
