@@ -12,6 +12,8 @@ that names the likely cause.
 import hmac
 import os
 import re
+import shutil
+import tempfile
 
 import zmq
 import zmq.auth
@@ -82,13 +84,23 @@ def keygen(directory, name, overwrite=False):
         raise FileExistsError(f"{existing[0]} exists: keep it (peers hold "
                               f"its public key) or pass overwrite=True "
                               f"(keras-geeps keygen --force)")
-    previous = os.umask(0o077)  # no window where the secret is readable
+    # Written in a private folder beside and renamed into place: an old
+    # pair (readable by others, or a link elsewhere) is replaced, never
+    # written into, and the secret is never readable by others.
+    staging = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
     try:
-        public, secret = zmq.auth.create_certificates(directory, name)
+        previous = os.umask(0o077)
+        try:
+            written = zmq.auth.create_certificates(staging, name)
+        finally:
+            os.umask(previous)
+        os.chmod(written[0], 0o644)  # public keys are for sharing
+        paths = pair_paths(directory, name)
+        for source, target in zip(written, paths):
+            os.replace(source, target)
     finally:
-        os.umask(previous)
-    os.chmod(public, 0o644)  # public keys are for sharing
-    return public, secret
+        shutil.rmtree(staging, ignore_errors=True)
+    return tuple(paths)
 
 
 def load_keypair(path):
@@ -187,6 +199,17 @@ class ShardAuth:
         if not os.path.isdir(allowed_clients_dir):
             raise ValueError(f"allowed clients folder {allowed_clients_dir} "
                              f"does not exist")
+        # pyzmq loads every `*.key` there, and on one it cannot read only
+        # logs, allowing nobody: a shard that would refuse every client
+        # stops here instead, naming the file.
+        names = sorted(n for n in os.listdir(allowed_clients_dir)
+                       if n.endswith(".key"))
+        if not names:
+            raise ValueError(f"allowed clients folder {allowed_clients_dir} "
+                             f"holds no .key file: the shard would refuse "
+                             f"every client")
+        for name in names:
+            load_keypair(os.path.join(allowed_clients_dir, name))
         self.public, self.secret = public, secret
         self.key_owners = key_owners(allowed_clients_dir)
         self.authenticator = _ShardAuthenticator(context)

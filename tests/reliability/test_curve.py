@@ -592,3 +592,27 @@ def test_sealed_updates_wait_their_turn_with_deterministic_sums(keys):
             np.testing.assert_array_equal(results[w, clk], expected)
     stats = results[0]
     assert stats["errors"] == 0 and stats["updates_held"] >= 2 * clocks
+
+
+@pytest.mark.parametrize("stray", ["not a key\n", None])
+def test_an_allowed_clients_folder_that_would_admit_nobody_is_refused(
+        keys, stray):
+    """pyzmq only logs a `.key` file it cannot load, and then allows no
+    client at all: a shard started with a stray file there (or with no key
+    at all) served, and every worker timed out. It now refuses to start,
+    naming the file."""
+    allowed = keys / "allowed"
+    if stray is None:
+        (allowed / "worker.key").unlink()
+        problem = "holds no .key file"
+    else:
+        (allowed / "notes.key").write_text(stray)
+        problem = "notes.key is not a CURVE key file"
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_geeps", "shard", "--bind",
+         "tcp://127.0.0.1:0", "--shard-id", "0", "--num-shards", "1",
+         "--num-workers", "1", "--curve-secret-key",
+         str(keys / "shard.key_secret"), "--curve-allowed-clients",
+         str(allowed)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert problem in result.stderr, result.stderr
