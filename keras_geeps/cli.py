@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 from keras_geeps import _build
 from keras_geeps import shard as shard_module
@@ -76,12 +77,16 @@ def _cmd_launch(args):
                   job_restarts=args.job_restarts)
 
 
-def _ask_all(args, msg_type):
+def _ask_all(args, msg_type, answered=None):
     """Sends one admin request (STATS, STOP, CHECKPOINT) to every shard of
-    `args.shards` (over CURVE with `args.curve_secret_key`); their replies."""
+    `args.shards` (over CURVE with `args.curve_secret_key`) at once, and
+    waits `args.timeout` seconds in all for the replies. `answered(shard,
+    reply)` is called for each reply, in shard order; then, if any shard
+    did not answer (or refused), a GeePSError names every such shard: one
+    that is down does not keep the others from being asked."""
     from keras_geeps.client.connection import Future, IOThread  # noqa
     from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
-    from keras_geeps.errors import GeePSTimeoutError  # noqa: PLC0415
+    from keras_geeps.errors import GeePSError  # noqa: PLC0415
     from keras_geeps.protocol import Message  # noqa: PLC0415
     from keras_geeps.checks import check_seconds  # noqa: PLC0415
     try:
@@ -103,28 +108,36 @@ def _ask_all(args, msg_type):
     io = IOThread(spec.shards, lambda *_: None, name="geeps-admin",
                   curve=curve)
     try:
-        replies = []
-        for shard, address in enumerate(spec.shards):
-            future = Future()
-            io.send(shard, Message(msg_type, seq=1), future)
-            if not future.event.wait(timeout):
-                hint = ("are these CURVE keys allowed?" if curve else
-                        "or does it require CURVE keys?")
-                raise GeePSTimeoutError(f"shard {shard} ({address}) did not "
-                                        f"answer within {timeout} s: is it "
-                                        f"running ({hint})")
-            if future.error:
-                raise future.error
-            replies.append(future.message)
-        return replies
+        futures = []
+        for shard in range(len(spec.shards)):
+            futures.append(Future())
+            io.send(shard, Message(msg_type, seq=1), futures[-1])
+        deadline = time.monotonic() + timeout
+        failures = []
+        for shard, (address, future) in enumerate(zip(spec.shards,
+                                                      futures)):
+            if not future.event.wait(max(0.0, deadline - time.monotonic())):
+                failures.append(f"shard {shard} ({address}) did not answer "
+                                f"within {timeout} s")
+            elif future.error:
+                failures.append(f"shard {shard} ({address}): "
+                                f"{future.error}")
+            elif answered is not None:
+                answered(shard, future.message)
     finally:
         io.close()
+    if failures:
+        hint = ("are these CURVE keys allowed?" if curve else
+                "or does it require CURVE keys?")
+        raise GeePSError(f"{'; '.join(failures)}; is it running ({hint}) "
+                         f"({len(spec.shards) - len(failures)} of "
+                         f"{len(spec.shards)} shards answered)")
 
 
 def _cmd_stats(args):
     from keras_geeps.protocol import MsgType, stats_of  # noqa: PLC0415
-    for reply in _ask_all(args, MsgType.STATS):
-        print(json.dumps(stats_of(reply), indent=1))
+    _ask_all(args, MsgType.STATS, lambda _, reply: print(
+        json.dumps(stats_of(reply), indent=1), flush=True))
     return 0
 
 

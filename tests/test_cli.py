@@ -45,6 +45,24 @@ def test_stats_of_a_dead_address_fails_clearly(process_cluster):
     assert "did not answer within 1.0 s" in result.stderr
 
 
+def test_stop_reaches_every_shard_when_one_is_down(process_cluster):
+    """`stop` asked one shard at a time and gave up at the first that
+    did not answer, leaving the others running; `stats` printed nothing.
+    Every shard is asked at once; those that did not answer are named."""
+    cluster = process_cluster(3, 1)
+    cluster.shards[0].kill()
+    shards = ",".join(cluster.addresses)
+    result = _cli("stats", "--shards", shards, "--timeout", "2")
+    assert result.returncode == 1
+    assert result.stdout.count('"shard_id"') == 2
+    assert "shard 0 (" in result.stderr and "did not answer" in \
+        result.stderr and "2 of 3 shards answered" in result.stderr
+    result = _cli("stop", "--shards", shards, "--timeout", "2")
+    assert result.returncode == 1 and "shard 0 (" in result.stderr
+    for shard in cluster.shards[1:]:
+        assert shard.process.wait(10) == 0
+
+
 def test_shard_restore_without_a_checkpoint_fails_in_one_line(tmp_path):
     result = _cli("shard", "--bind", "tcp://127.0.0.1:0", "--shard-id", "0",
                   "--num-shards", "1", "--num-workers", "1",
@@ -410,6 +428,29 @@ def test_keygen_writes_private_secrets_and_keeps_existing_keys(tmp_path):
     assert (keys / "shard.key").read_bytes() == before
     assert _cli("keygen", "--force", str(keys), "shard").returncode == 0
     assert (keys / "shard.key").read_bytes() != before
+
+
+def test_keygen_force_replaces_an_open_secret_and_a_link(tmp_path):
+    """--force wrote the new secret into the old file, keeping its mode
+    (readable by anyone) or following a link to somewhere else."""
+    keys = tmp_path / "keys"
+    assert _cli("keygen", str(keys), "shard", "worker0").returncode == 0
+    os.chmod(keys / "shard.key_secret", 0o644)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("untouched")
+    os.chmod(elsewhere, 0o644)
+    (keys / "worker0.key_secret").unlink()
+    (keys / "worker0.key_secret").symlink_to(elsewhere)
+    result = _cli("keygen", "--force", str(keys), "shard", "worker0")
+    assert result.returncode == 0, result.stderr
+    for name in ("shard", "worker0"):
+        secret = keys / f"{name}.key_secret"
+        assert not secret.is_symlink()
+        assert os.stat(secret).st_mode & 0o777 == 0o600
+        assert "secret-key" in secret.read_text()
+    assert elsewhere.read_text() == "untouched"
+    assert sorted(p.name for p in keys.iterdir()) == [
+        "shard.key", "shard.key_secret", "worker0.key", "worker0.key_secret"]
 
 
 def test_keygen_refuses_names_that_are_paths_and_writes_nothing(tmp_path):

@@ -15,5 +15,5 @@ for i in 0 1; do
     $PY examples/custom_loop.py --epochs "${EPOCHS:-2}" "$@" & pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
-keras-geeps stats --shards 127.0.0.1:$P0,127.0.0.1:$P1 | head -5
+keras-geeps stats --shards 127.0.0.1:$P0,127.0.0.1:$P1 | sed -n 1,5p  # (reads all: no broken pipe)
 keras-geeps stop --shards 127.0.0.1:$P0,127.0.0.1:$P1
