@@ -206,7 +206,9 @@ def _write_composite(target, latest_path, sources):
     with contextlib.ExitStack() as stack:
         archives = {path: stack.enter_context(zipfile.ZipFile(path))
                     for path in files}
-        f = stack.enter_context(open(target, "wb"))
+        # (owner only, as the latest, which mkstemp makes: tables' rows)
+        f = stack.enter_context(os.fdopen(os.open(
+            target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb"))
         with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED,
                              allowZip64=True) as out:
             out.writestr("meta.npy", header.getvalue())

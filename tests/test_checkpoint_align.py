@@ -236,6 +236,9 @@ def test_tables_moving_one_write_at_a_time_keep_their_own_older(tmp_path):
             left=[1] if clocks == (4, 4) else [])
     older = checkpoint.load_job(directory, 0, 2, 2, older=True)[0]
     assert {t: c for t, (_, c, _) in older.items()} == {0: 2, 1: 2}
+    for path in (checkpoint.checkpoint_path(directory, 0, 2),  # (the older
+                 checkpoint.checkpoint_path(directory, 0, 2, older=True)):
+        assert os.stat(path).st_mode & 0o777 == 0o600  # was a composite)
     np.testing.assert_array_equal(older[0][2], rows_of(2, 4))
     np.testing.assert_array_equal(older[1][2], rows_of(12, 3))
     checkpoint.write(directory, 1, 2, 2, {0: (a1, 2, rows_of(2, 2))})
