@@ -13,6 +13,18 @@ def regression_data(rows):
     return x, y
 
 
+def flat_weights(model):
+    """`model`'s weights, in order, as one vector."""
+    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
+
+
+def shard_rows(strategy):
+    """The shards' rows of every table of `strategy`, in table order, as
+    one vector."""
+    return np.concatenate([strategy.client.read(layer.table).reshape(-1)
+                           for layer in strategy.parameter_sync.tables])
+
+
 def small_model(strategy, name=None):
     """A seeded 5 -> 3 -> 2 Dense model (layers "a", "b"), SGD(0.1) on
     mse, built and compiled in `strategy`'s scope, without XLA. `name`:

@@ -19,7 +19,8 @@ tf = pytest.importorskip("tensorflow")
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
 from tests.keras import (  # noqa: E402
-    one_worker_strategy, regression_data, small_model)
+    flat_weights, one_worker_strategy, regression_data, shard_rows,
+    small_model)
 from tests.worker_threads import run_worker_threads  # noqa: E402
 
 STEPS, BATCH, EPOCHS = 4, 4, 3
@@ -77,20 +78,11 @@ class _PruneAndClipInAFunction(keras.callbacks.Callback):
     WRITES = 2 * EPOCHS * STEPS - 1
 
 
-def _weights(model):
-    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
-
-
-def _rows(strategy):
-    return np.concatenate([strategy.client.read(layer.table).reshape(-1)
-                           for layer in strategy.parameter_sync.tables])
-
-
 def _fit(model, callback):
     x, y = regression_data(STEPS * BATCH)
     model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False,
               verbose=0, callbacks=[callback])
-    return _weights(model)
+    return flat_weights(model)
 
 
 @pytest.mark.parametrize("callback", [_HalveAtEpochEnd, _ClipAtBatchBegin,
@@ -108,7 +100,7 @@ def test_weights_set_by_a_callback_during_fit_reach_the_shards(
         assert bool(strategy.parameter_sync.captured_layers) == capture
         assert strategy.parameter_sync.stats()["outside_write_pushes"] == \
             (callback.WRITES if capture else 0)
-        rows = _rows(strategy)
+        rows = shard_rows(strategy)
     np.testing.assert_array_equal(got, rows)
     reference = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3),
                                   keras.layers.Dense(2)])
@@ -163,7 +155,7 @@ def _fit_twice_from(model, pretrained):
     for _ in range(2):
         model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False,
                   verbose=0, callbacks=[_HalveAtEpochAndFirstBatchBegin()])
-    return _weights(model)
+    return flat_weights(model)
 
 
 @pytest.mark.parametrize("capture", [True, False])
@@ -180,7 +172,7 @@ def test_weights_loaded_after_a_predict_and_set_as_a_fit_begins_count(
                              capture_updates=capture) as strategy:
         model = small_model(strategy)
         got = _fit_twice_from(model, pretrained)
-        rows = _rows(strategy)
+        rows = shard_rows(strategy)
     np.testing.assert_array_equal(got, rows)
     reference = small_model(_NoStrategy())
     np.testing.assert_allclose(got, _fit_twice_from(reference, pretrained),
@@ -206,7 +198,7 @@ def _two_models_loaded_between(strategy_or_none, pretrained):
     first.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     second.set_weights(pretrained)
     second.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    return _weights(first), _weights(second)
+    return flat_weights(first), flat_weights(second)
 
 
 def test_a_second_models_weights_loaded_after_the_first_trained_count(
@@ -259,7 +251,7 @@ def _fit_with_temperature(scope):
         model.compile(optimizer=keras.optimizers.SGD(0.1), jit_compile=False)
     x, y = regression_data(STEPS * BATCH)
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    return np.append(_weights(model), model.temperature.numpy())
+    return np.append(flat_weights(model), model.temperature.numpy())
 
 
 def test_a_variable_the_step_trains_beyond_its_models_weights_is_tabled(
@@ -311,7 +303,7 @@ def test_every_workers_callback_write_reaches_the_shards_once(
             model.fit(*parts[w], batch_size=BATCH, epochs=EPOCHS,
                       shuffle=False, verbose=0, callbacks=[callback()])
             assert bool(strategy.parameter_sync.captured_layers) == capture
-            return _weights(model), _rows(strategy)
+            return flat_weights(model), shard_rows(strategy)
         finally:
             strategy.close()
 
@@ -328,5 +320,5 @@ def test_every_workers_callback_write_reaches_the_shards_once(
     reference.set_weights(start)
     reference.fit(x, y, batch_size=2 * BATCH, epochs=EPOCHS, shuffle=False,
                   verbose=0, callbacks=[callback()])
-    np.testing.assert_allclose(mine, _weights(reference), rtol=1e-5,
+    np.testing.assert_allclose(mine, flat_weights(reference), rtol=1e-5,
                                atol=1e-6)

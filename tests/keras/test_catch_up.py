@@ -18,7 +18,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
-from tests.keras import regression_data, small_model  # noqa: E402
+from tests.keras import (  # noqa: E402
+    flat_weights, regression_data, shard_rows, small_model)
 from tests.worker_threads import run_worker_threads  # noqa: E402
 
 STEPS, BATCH, EPOCHS = 4, 4, 2
@@ -28,16 +29,6 @@ def _strategy(thread_cluster):
     cluster = thread_cluster(1, 1)
     strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
     return strategy, small_model(strategy)
-
-
-def _rows(strategy):
-    """The shards' rows of every table, in table order, as one vector."""
-    return np.concatenate([strategy.client.read(layer.table).reshape(-1)
-                           for layer in strategy.parameter_sync.tables])
-
-
-def _weights(model):
-    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
 
 
 class _Compare(keras.callbacks.Callback):
@@ -52,8 +43,8 @@ class _Compare(keras.callbacks.Callback):
             self.on_train_batch_end = self._batch_end
 
     def _record(self, where):
-        self.seen[where].append((_weights(self.model),
-                                 _rows(self.strategy)))
+        self.seen[where].append((flat_weights(self.model),
+                                 shard_rows(self.strategy)))
 
     def on_epoch_end(self, epoch, logs=None):
         self._record("epoch")
@@ -97,7 +88,7 @@ def test_epoch_and_train_end_callbacks_see_the_shards_rows(thread_cluster,
         # The chief's checkpoints hold the shards' rows of their epoch.
         for epoch, (_, rows) in enumerate(compare.seen["epoch"], 1):
             model.load_weights(path.format(epoch=epoch))
-            np.testing.assert_array_equal(_weights(model), rows)
+            np.testing.assert_array_equal(flat_weights(model), rows)
         # No per-batch catch-up without a callback reading weights there:
         # at most one per epoch end.
         assert 0 < counts["pulls"] <= EPOCHS, counts
@@ -127,7 +118,8 @@ def test_train_on_batch_leaves_the_weights_current(thread_cluster):
         for step in range(3):
             model.train_on_batch(x[:BATCH], y[:BATCH])
             assert strategy.parameter_sync.captured_layers
-            np.testing.assert_array_equal(_weights(model), _rows(strategy))
+            np.testing.assert_array_equal(flat_weights(model),
+                                          shard_rows(strategy))
             np.testing.assert_allclose(model(x).numpy(),
                                        model.predict(x, verbose=0),
                                        rtol=1e-6, atol=1e-6)
@@ -167,7 +159,7 @@ def test_measured_updates_are_caught_up_on_every_worker(thread_cluster):
             model.fit(x[part], y[part], batch_size=BATCH, epochs=EPOCHS,
                       shuffle=False, verbose=0, callbacks=[compare])
             assert not strategy.parameter_sync.captured_layers
-            return compare.seen, _weights(model)
+            return compare.seen, flat_weights(model)
         finally:
             strategy.close()
 
@@ -193,7 +185,7 @@ def _assert_one_plain_step(got, start, x, y):
                       jit_compile=False)
     reference.set_weights(start)
     reference.train_on_batch(x, y)
-    np.testing.assert_allclose(got, _weights(reference), rtol=1e-6,
+    np.testing.assert_allclose(got, flat_weights(reference), rtol=1e-6,
                                atol=1e-7)
 
 
@@ -212,13 +204,14 @@ def test_a_later_fit_goes_on_from_the_shards_values(thread_cluster,
         model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False,
                   verbose=0)
         shards = [w.copy() for w in model.get_weights()]
-        np.testing.assert_array_equal(_weights(model), _rows(strategy))
+        np.testing.assert_array_equal(flat_weights(model),
+                                      shard_rows(strategy))
         model.set_weights([w + 1.0 for w in shards])
         model.fit(x[:BATCH], y[:BATCH], batch_size=BATCH, epochs=1,
                   shuffle=False, verbose=0)
         assert bool(strategy.parameter_sync.captured_layers) == capture
-        got = _weights(model)
-        np.testing.assert_array_equal(got, _rows(strategy))
+        got = flat_weights(model)
+        np.testing.assert_array_equal(got, shard_rows(strategy))
     finally:
         strategy.close()
     _assert_one_plain_step(got, shards, x[:BATCH], y[:BATCH])
@@ -241,8 +234,8 @@ def test_each_train_on_batch_goes_on_from_the_shards_values(thread_cluster,
         shards = [w.copy() for w in model.get_weights()]
         model.set_weights([w + 1.0 for w in shards])
         model.train_on_batch(x, y)
-        got = _weights(model)
-        np.testing.assert_array_equal(got, _rows(strategy))
+        got = flat_weights(model)
+        np.testing.assert_array_equal(got, shard_rows(strategy))
     finally:
         strategy.close()
     _assert_one_plain_step(got, shards, x, y)

@@ -17,7 +17,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 
 from keras_geeps.keras import GeePSStrategy  # noqa: E402
-from tests.keras import regression_data  # noqa: E402
+from tests.keras import (  # noqa: E402
+    flat_weights, regression_data, shard_rows)
 
 STEPS, BATCH, EPOCHS = 4, 4, 2
 
@@ -40,22 +41,13 @@ def _fit(model, callbacks=None, epochs=EPOCHS):
     return model.evaluate(x, y, batch_size=BATCH, verbose=0)
 
 
-def _weights(model):
-    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
-
-
-def _rows(strategy):
-    return np.concatenate([strategy.client.read(layer.table).reshape(-1)
-                           for layer in strategy.parameter_sync.tables])
-
-
 def test_fit_ends_with_the_moving_averages_as_plain_keras(thread_cluster):
     reference = _compiled(use_ema=True)  # plain Keras, no strategy
     reference_loss = _fit(reference)
     raw = _compiled(use_ema=False)
     _fit(raw)
     # The averages are far enough from the last values to tell apart.
-    assert np.abs(_weights(reference) - _weights(raw)).max() > 1e-2
+    assert np.abs(flat_weights(reference) - flat_weights(raw)).max() > 1e-2
 
     cluster = thread_cluster(1, 1)
     strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
@@ -63,15 +55,18 @@ def test_fit_ends_with_the_moving_averages_as_plain_keras(thread_cluster):
         with strategy.scope():
             model = _compiled(use_ema=True)
         loss = _fit(model, strategy.callbacks())
-        np.testing.assert_allclose(_weights(model), _weights(reference),
+        np.testing.assert_allclose(flat_weights(model),
+                                   flat_weights(reference),
                                    rtol=1e-5, atol=1e-6)
         assert loss == pytest.approx(reference_loss, rel=1e-5)
         # The shards hold them too: the job ends consistent.
-        np.testing.assert_array_equal(_rows(strategy), _weights(model))
+        np.testing.assert_array_equal(shard_rows(strategy),
+                                      flat_weights(model))
         # A later fit goes on from them, as Keras' does.
         _fit(reference, epochs=1)
         _fit(model, strategy.callbacks(), epochs=1)
-        np.testing.assert_allclose(_weights(model), _weights(reference),
+        np.testing.assert_allclose(flat_weights(model),
+                                   flat_weights(reference),
                                    rtol=1e-5, atol=1e-6)
     finally:
         strategy.close()
@@ -89,9 +84,11 @@ def test_without_the_strategys_callbacks_too(thread_cluster):
         with strategy.scope():
             model = _compiled(use_ema=True)
         _fit(model)
-        np.testing.assert_allclose(_weights(model), _weights(reference),
+        np.testing.assert_allclose(flat_weights(model),
+                                   flat_weights(reference),
                                    rtol=1e-5, atol=1e-6)
-        np.testing.assert_array_equal(_rows(strategy), _weights(model))
+        np.testing.assert_array_equal(shard_rows(strategy),
+                                      flat_weights(model))
     finally:
         strategy.close()
 
@@ -122,8 +119,9 @@ def test_the_mean_average_is_over_the_live_workers(thread_cluster):
         averages = np.concatenate([
             v.numpy().reshape(-1)
             for v in model.optimizer._model_variables_moving_average])
-        np.testing.assert_allclose(_weights(model), averages, rtol=1e-6,
+        np.testing.assert_allclose(flat_weights(model), averages, rtol=1e-6,
                                    atol=1e-7)
-        np.testing.assert_array_equal(_rows(strategy), _weights(model))
+        np.testing.assert_array_equal(shard_rows(strategy),
+                                      flat_weights(model))
     finally:
         strategy.close()

@@ -15,7 +15,8 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 keras = pytest.importorskip("keras")
 
-from tests.keras import one_worker_strategy, regression_data  # noqa: E402
+from tests.keras import (  # noqa: E402
+    flat_weights, one_worker_strategy, regression_data)
 
 STEPS, BATCH, EPOCHS = 4, 4, 2
 
@@ -37,26 +38,23 @@ def _fit(model, callbacks=None):
               verbose=0, callbacks=callbacks)
 
 
-def _weights(model):
-    return np.concatenate([w.reshape(-1) for w in model.get_weights()])
-
-
 @pytest.mark.parametrize("capture", [True, False])
 def test_fit_accumulates_gradients_as_plain_keras(thread_cluster, capture):
     reference = _compiled()  # plain Keras, no strategy
-    start = _weights(reference)
+    start = flat_weights(reference)
     _fit(reference)
-    assert np.abs(_weights(reference) - start).max() > 1e-2  # it trained
+    assert np.abs(flat_weights(reference) - start).max() > 1e-2  # it trained
 
     with one_worker_strategy(thread_cluster,
                              capture_updates=capture) as strategy:
         with strategy.scope():
             model = _compiled()
         _fit(model, strategy.callbacks())
-        np.testing.assert_allclose(_weights(model), _weights(reference),
+        np.testing.assert_allclose(flat_weights(model),
+                                   flat_weights(reference),
                                    rtol=1e-5, atol=1e-6)
         rows = np.concatenate([
             strategy.client.read(layer.table).reshape(-1)
             for layer in strategy.parameter_sync.tables])
-        np.testing.assert_allclose(rows, _weights(model), rtol=1e-6,
+        np.testing.assert_allclose(rows, flat_weights(model), rtol=1e-6,
                                    atol=1e-7)
