@@ -497,12 +497,30 @@ def _install_reraise():
             continue
 
         @functools.wraps(original)
-        def reraising(self, *args, _original=original, **kwargs):
-            with reraising_failures():
+        def reraising(self, *args, _original=original, _name=name,
+                      **kwargs):
+            with reraising_failures(), _fitting(self, _name == "fit"):
                 return _original(self, *args, **kwargs)
 
         reraising._geeps_reraises = True
         setattr(owner, name, reraising)
+
+
+@contextlib.contextmanager
+def _fitting(model, fit):
+    """Marks the sync of `model`'s strategy as in Keras' `fit` while
+    within (when `fit`): its callbacks catch the variables up, so its
+    steps need not (`ParameterSync.fitting`)."""
+    sync = getattr(getattr(model, "distribute_strategy", None),
+                   "parameter_sync", None) if fit else None
+    if sync is None:
+        yield
+        return
+    sync.fitting += 1
+    try:
+        yield
+    finally:
+        sync.fitting -= 1
 
 
 @contextlib.contextmanager

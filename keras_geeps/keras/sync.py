@@ -236,6 +236,9 @@ class ParameterSync:
         self.max_staleness = 0     # most clocks a read lagged its clock
         # pushes of captured layers measured instead (note_outside_write)
         self.outside_write_pushes = 0
+        # Keras' fits running on this sync (`_tf_hooks`): their callbacks
+        # catch the variables up; steps outside any end by doing so.
+        self.fitting = 0
         # What the pull / push ops raised: tf.py_function hands TensorFlow
         # only the message, so `_tf_hooks` re-raises these (take_failure).
         self._failures = []
@@ -357,8 +360,9 @@ class ParameterSync:
                                else builds_tables)
             if not self.tables:  # (none of them a model's weight: all)
                 self.build_pending()
+        known = _ids(v for v, _ in self._candidates)
         if not self.tables:
-            return self._run_untabled(call)
+            return self._run_untabled(call, known)
         # One op pulls every table, in layer order: the step waits for all
         # of them anyway, and each py_function call costs ~0.1-0.3 ms.
         pulls = [tf.py_function(self._pull_all_op, [], tf.bool,
@@ -368,7 +372,7 @@ class ParameterSync:
         try:
             with tf.control_dependencies(pulls):
                 result = call()
-            updated = self._updated
+            updated = self._without_created(self._updated, known)
             captured = {}
             if self._capture is not None:
                 captured = self._capture.finish(self.tables)
@@ -392,8 +396,19 @@ class ParameterSync:
             self.build_pending(strays)
         self._check_tabled(updated)
         groups = self._push_groups(updated)
-        for group in groups:  # the last one counts the step
-            self._push_after_updates(group, captured, group is groups[-1])
+        pushes = [self._push_after_updates(group, captured,
+                                           group is groups[-1])
+                  for group in groups]  # the last one counts the step
+        if pushes and not self.fitting:
+            # A custom loop's step (or `train_on_batch`): nothing of Keras'
+            # catches the variables up where the loop reads or writes them,
+            # so the step ends with the shards' rows in them (under BSP the
+            # wait the next step's pull would have had, moved: that pull
+            # then finds nothing). A step traced in `fit` has no such op;
+            # one traced outside, run in a fit later, skips it.
+            with tf.control_dependencies(pushes):
+                tf.py_function(self._catch_up_op, [], tf.bool,
+                               name="geeps_catch_up")
         return result
 
     def _push_groups(self, updated):
@@ -417,16 +432,47 @@ class ParameterSync:
             groups.append(group)
         return groups
 
-    def _run_untabled(self, call):
-        """Runs a step while there is no table: it must update nothing."""
+    def _run_untabled(self, call, known):
+        """Runs a step while there is no table: it must update nothing
+        (but variables it created, `_without_created`)."""
         self._updated = {}
         try:
             result = call()
-            updated = self._updated
+            updated = self._without_created(self._updated, known)
         finally:
             self._updated = None
         self._check_tabled(updated)
         return result
+
+    def _without_created(self, updated, known):
+        """`updated` ({id: variable}) less the variables of the scope the
+        step created as it was traced (a model built at its first call: a
+        subclassed model, a Sequential without an Input), which are not
+        yet initialized, so no table can start from them. `tf.function`
+        then runs their initializers and traces the step again, without
+        creating any: that trace builds their tables and is what runs.
+        Should it run this trace instead, its first op raises, naming
+        them; a step run eagerly raises at once."""
+        created = [(v, path) for v, path in self._candidates
+                   if id(v) not in known and id(v) in updated]
+        if not created:
+            return updated
+        names = ", ".join(sorted(path or variable_name(v)
+                                 for v, path in created))
+        message = (f"the step created the variables {names} as it ran (a "
+                   f"model built at its first call), so no parameter table "
+                   f"could start from their values: build the model before "
+                   f"the first step, in strategy.scope() (model.build("
+                   f"input_shape), or call it once on a batch)")
+        if not tf.inside_function():
+            raise GeePSError(message)
+
+        def refuse():
+            raise GeePSError(message)
+        tf.py_function(refuse, [], tf.bool, name="geeps_created_variables")
+        created_ids = _ids(v for v, _ in created)
+        return {key: v for key, v in updated.items()
+                if key not in created_ids}
 
     def _check_tabled(self, updated):
         """Raises when the step updates a trainable variable that is in no
@@ -466,7 +512,7 @@ class ParameterSync:
                 values, signs[i] = captured[i]
                 tensors += values
         with tf.control_dependencies(reads):
-            tf.py_function(
+            return tf.py_function(
                 functools.partial(self._push_op, indices, signs, count_step),
                 tensors, tf.bool, name=f"geeps_push_{indices[-1]}")
 
@@ -586,6 +632,8 @@ class ParameterSync:
         layer = self.tables[index]
         table = layer.table
         started = time.perf_counter()
+        # (before any read: the rows under the snapshot stay until then)
+        written = self._write_since_pull(layer) if values is None else None
         clock = table.clock + self.client.slack if full else None
         # Not under self.lock: the push this pull may be waiting for can
         # come from another thread (the memory manager's write-back).
@@ -637,7 +685,14 @@ class ParameterSync:
                                  table.clock - table.last_read_age)
         snapshot = as_tensor(buffer, table.dtype)
         layer.pulled_shared = snapshot if shared else None
-        if values is None:
+        if values is None and written is not None:
+            # A write since the last pull (SSP: fresh rows came meanwhile)
+            # stays, on the fresh rows, for the next push to carry.
+            ops.unpack(snapshot + written, layer.variables, layer.layout)
+            layer.written_outside = True
+            layer.outside_change = written \
+                if self.outside_scale != self.scale else None
+        elif values is None:
             ops.unpack(snapshot, layer.variables, layer.layout)
             layer.written_outside = False
             layer.outside_change = None
@@ -650,6 +705,18 @@ class ParameterSync:
         try:
             for index in range(len(self.tables)):
                 self.pull(index)
+        except Exception as exc:
+            self._keep_failure(exc)
+            raise
+        return True
+
+    def _catch_up_op(self):
+        if self.fitting:
+            return True
+        try:
+            for index, layer in enumerate(self.tables):
+                if layer.behind:
+                    self.pull(index)
         except Exception as exc:
             self._keep_failure(exc)
             raise
@@ -689,6 +756,18 @@ class ParameterSync:
         own = layer.snapshot + self.scale * (packed - layer.snapshot)
         ops.unpack(own, layer.variables, layer.layout)
         return own
+
+    def _write_since_pull(self, layer):
+        """What was written into `layer`'s variables outside the steps
+        since its last pull, when that can be told from the rest: no push
+        since (its own update would be in it too) and no restart (whose
+        pull replaces what was set between fits). Else None."""
+        if not (layer.written_outside or layer.written_by_functions) or \
+                layer.snapshot is None or layer.snapshot_stale or \
+                layer.pulled_ages is None:
+            return None
+        return ops.pack(layer.variables, layer.layout,
+                        snapshot=layer.snapshot)
 
     def _measure_outside(self, layer):
         """Keeps what was written into `layer`'s variables outside the

@@ -88,7 +88,7 @@ def test_a_custom_loops_errors_keep_their_class(thread_cluster):
             return tf.function(lambda x, y: strategy.run(step, args=(x, y)))
 
         in_scope = train_step(model, model.optimizer)
-        in_scope(x, y)  # step 1 needs no other worker's clock
+        # (step 1 ends by pulling what it pushed: worker 1's clock 0 too)
         with pytest.raises(tf.errors.UnknownError, match="workers \\[1\\]"):
             in_scope(x, y)
         with pytest.raises(GeePSTimeoutError, match="workers \\[1\\]") as \

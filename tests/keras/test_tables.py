@@ -323,6 +323,39 @@ def test_own_update_under_ssp_counts_as_the_shards_apply_it(thread_cluster):
         other.close()
 
 
+@pytest.mark.parametrize("update_mode", ["average", "sum"])
+def test_a_write_between_steps_stays_when_fresh_rows_come(thread_cluster,
+                                                          update_mode):
+    """SSP, 2 workers: a write made between two steps, after a pull that
+    brought no fresh rows, is kept on the rows that come at the next pull
+    (which replaced it) and reaches the shards with that step's push, as
+    every worker's (at 1/2 from this one alone, in either mode)."""
+    cluster = thread_cluster(1, 2)
+    mine = cluster.client(0, timeout=10, slack=2)
+    other = cluster.client(1, timeout=10, slack=2)
+    try:
+        kernel, sync, theirs = _kernel_sync(mine, other, update_mode)
+        table = sync.tables[0].table
+        sync.pull(0)
+        sync.push(0)  # (a step that changed nothing)
+        sync.pull(0)  # within the slack: no fresh rows
+        kernel.assign_add(tf.fill((2, 2), 4.0))  # between the steps
+        other.read(theirs)
+        other.update(theirs, np.full((2, 2), 2.0, np.float32))
+        other.clock()
+        mine.wait_fresh(table, clock=3)  # (both workers' clock 1)
+        sync.pull(0)  # fresh rows: the other's 2 (a raw update)
+        fresh = 2.0
+        np.testing.assert_array_equal(kernel.numpy(), fresh + 4.0)
+        sync.push(0)  # the write, as every worker's: 4 / 2
+        other.clock()
+        np.testing.assert_array_equal(mine.read(table, clock=4),
+                                      np.full((1, 4), fresh + 2.0))
+    finally:
+        mine.close()
+        other.close()
+
+
 def test_a_pull_that_times_out_gives_its_buffer_back(thread_cluster):
     """Over TCP a pull that must wait reads straight into the next of its
     layer's two buffers; when that read fails, the buffer is given back,
