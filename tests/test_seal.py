@@ -440,7 +440,7 @@ def test_a_keyed_shard_without_pyaegis_fails_at_start(monkeypatch,
     from keras_geeps.shard import ShardServer  # noqa: PLC0415
 
     keygen(tmp_path, "shard")
-    (tmp_path / "allowed").mkdir()
+    keygen(tmp_path / "allowed", "worker")
     monkeypatch.setitem(sys.modules, "pyaegis._aegis_ffi", None)
     with pytest.raises(ImportError, match=r"keras-geeps\[curve\]"):
         ShardServer("tcp://127.0.0.1:0", 0, 1, 1, curve=(

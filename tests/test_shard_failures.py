@@ -753,7 +753,7 @@ def test_repeated_reads_keep_no_finished_sends(servers):
 
 def test_a_shard_that_cannot_start_leaves_nothing_running(tmp_path):
     secret = keygen(tmp_path, "shard")[1]
-    (tmp_path / "allowed").mkdir()
+    keygen(tmp_path / "allowed", "worker")
     first = ShardServer("tcp://127.0.0.1:0", 0, 1, 1,
                         ShardSettings(shared_memory=False))
     threads = set(threading.enumerate())
