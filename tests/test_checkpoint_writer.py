@@ -105,3 +105,29 @@ def test_write_empty_keeps_a_checkpoint_found_and_names_a_bad_folder(
     blocker.write_bytes(b"")
     with pytest.raises(checkpoint.CheckpointError, match="a-file"):
         CheckpointWriter(str(blocker), 0, 1, 1).write_empty()
+
+
+def test_a_second_shard_on_a_folder_in_use_is_refused(tmp_path):
+    """Two jobs' shard 0 of 1 started on one folder: the second moved the
+    first's checkpoint away, and each then overwrote the other's. The
+    second is refused, naming the folder and the process holding it, and
+    touches nothing; a shard of another place may share the folder, and
+    once the first has stopped a shard restores from it."""
+    from keras_geeps.shard import ShardServer, ShardSettings  # noqa
+
+    settings = ShardSettings(checkpoint_dir=str(tmp_path),
+                             shared_memory=False)
+    first = ShardServer("tcp://127.0.0.1:0", 0, 1, 1, settings).start()
+    try:
+        before = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+        with pytest.raises(checkpoint.CheckpointError,
+                           match=f"in use by another shard 0 of 1 \\(process "
+                                 f"{os.getpid()}"):
+            ShardServer("tcp://127.0.0.1:0", 0, 1, 1, settings)
+        assert {p.name: p.stat().st_mtime_ns
+                for p in tmp_path.iterdir()} == before
+        ShardServer("tcp://127.0.0.1:0", 1, 2, 1, settings)._close()
+    finally:
+        first.stop()
+    ShardServer("tcp://127.0.0.1:0", 0, 1, 1, settings,
+                restore=True)._close()

@@ -196,6 +196,8 @@ class ShardServer:
             # Shared memory with co-located workers (keras_geeps.shm).
             if self.settings.shared_memory:
                 self._arena = shm.Arena(role="shard")
+            if self._writer is not None:
+                self._writer.lock()  # (one shard per place and folder)
             if restore:
                 self._restore()
             elif self._writer is not None:
@@ -321,6 +323,8 @@ class ShardServer:
         return sock
 
     def _close(self):
+        if self._writer is not None:
+            self._writer.unlock()
         if self._data is not None:
             self._data.close(linger=0)
         if self._socket is not None:

@@ -8,6 +8,7 @@ them, and learn how it went from `finished`.
 """
 
 import collections
+import fcntl
 import logging
 import os
 import threading
@@ -69,6 +70,48 @@ class CheckpointWriter:
         self._covers = 0     # how many of `requests` the write covers
         self._backoff = 0.0  # after failed writes: seconds to wait
         self._retry_at = 0.0
+        self._lock = None    # the descriptor holding the folder's lock
+
+    def lock(self):
+        """Takes this shard's lock of the folder (`<shard file>.lock`, an
+        exclusive `flock`, which the system drops when the process dies),
+        before anything is read or written there: another job's shard of
+        the same place, started on the same folder, would move this one's
+        checkpoint away and the two would overwrite each other's.
+
+        Raises:
+            checkpoint.CheckpointError: another process (or shard server
+                in this one) holds it, or the folder cannot be written.
+        """
+        path = checkpoint.checkpoint_path(
+            self.directory, self.shard_id, self.num_shards)[
+                :-len(".ckpt.npz")] + ".lock"
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise checkpoint.CheckpointError(
+                f"cannot write checkpoints to {self.directory}: "
+                f"{exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise checkpoint.CheckpointError(
+                f"{self.directory} is in use by another shard "
+                f"{self.shard_id} of {self.num_shards} (process "
+                f"{holder or '?'}, holding {path}): give each job its "
+                f"own --checkpoint-dir") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock = fd
+
+    def unlock(self):
+        """Lets the folder's lock go (the shard is closing)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def request(self, identity, seq):
         """Queues a CHECKPOINT request for the next write to answer.
