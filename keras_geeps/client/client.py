@@ -160,7 +160,7 @@ class GeePSClient:
     table = client.create_table("w", rows=4, width=8, init=np.ones((4, 8)))
     client.update(table, np.full((4, 8), 0.5, np.float32))
     client.clock()
-    print(client.read(table))   # 1.5 everywhere, once all workers clocked
+    print(client.read(table))   # 1 + 0.5 x workers, once all clocked
     client.close()
     ```
     """
@@ -1572,8 +1572,8 @@ class GeePSClient:
                          f"{shard_table['vclock']})")
         return GeePSTimeoutError(
             f"worker {self.worker_id} waited {self.timeout:.1f} s to read "
-            f"table {table.name!r} at clock {table.clock} (slack "
-            f"{self.slack}, needs data age >= {required}, has "
+            f"table {table.name!r} with data age >= {required} (its own "
+            f"clock {table.clock}, slack {self.slack}; it has "
             f"{table.ages.tolist()}): " + "; ".join(lines))
 
     def stop_shards(self):
