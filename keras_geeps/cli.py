@@ -45,10 +45,13 @@ def _cmd_launch(args):
     if args.checkpoint_dir:
         shard_args += ["--checkpoint-dir", args.checkpoint_dir,
                        "--checkpoint-every", str(args.checkpoint_every)]
-    elif args.checkpoint_every:
-        print("keras-geeps launch: --checkpoint-every needs --checkpoint-dir",
-              file=sys.stderr)
+    elif args.checkpoint_every or args.restore:
+        print(f"keras-geeps launch: "
+              f"{'--restore' if args.restore else '--checkpoint-every'} "
+              f"needs --checkpoint-dir", file=sys.stderr)
         return 2
+    if args.restore:
+        shard_args.append("--restore")
     if args.max_pending_clocks is not None:
         shard_args += ["--max-pending-clocks", str(args.max_pending_clocks)]
     if args.deterministic_sums:
@@ -222,7 +225,7 @@ def build_parser():
     launch = sub.add_parser(
         "launch", help="run S shards and N workers on this machine",
         usage="keras-geeps launch [--workers N] [--shards S] "
-              "[--checkpoint-dir DIR --checkpoint-every K] "
+              "[--checkpoint-dir DIR --checkpoint-every K [--restore]] "
               "[--deterministic-sums] [--worker-timeout S "
               "--on-worker-failure continue --worker-restarts R] "
               "[--job-restarts J] -- COMMAND ...")
@@ -230,6 +233,11 @@ def build_parser():
     launch.add_argument("--shards", type=int, default=2)
     launch.add_argument("--checkpoint-dir", default=None,
                         help="the shards' checkpoint folder")
+    launch.add_argument("--restore", action="store_true",
+                        help="start the shards from their checkpoints in "
+                             "--checkpoint-dir (a job whose launcher was "
+                             "stopped or killed), taken to one clock per "
+                             "table first; every worker starts afresh")
     launch.add_argument("--checkpoint-every", type=int, default=0,
                         help="shards snapshot each table every K clocks; "
                              "with K > 0, a shard that dies is started "

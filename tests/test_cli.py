@@ -323,6 +323,43 @@ def test_launch_passes_deterministic_sums_to_its_shards(tmp_path):
         assert f"ordered {shown}" in result.stdout, result.stdout
 
 
+_COUNTING_WORKER = """
+import numpy as np
+from keras_geeps.client import GeePSClient
+client = GeePSClient(timeout=30)
+table = client.create_table("t", 1, 1)
+before = float(client.read(table)[0, 0])
+for _ in range(3):
+    client.update(table, np.ones((1, 1), np.float32))
+    client.clock()
+after = float(client.read(table, clock=table.clock)[0, 0])
+print(f"counted from {before} to {after} at clock {table.clock}")
+client.close()
+"""
+
+
+def test_launch_restore_resumes_a_job_from_its_checkpoints(tmp_path):
+    """A job whose launcher ended (here: the job did) starts again from
+    the shards' checkpoints with `launch --restore`: the tables keep their
+    values and clocks. Without it the launcher had no way to (a second
+    launch moved the checkpoints aside and started afresh)."""
+    worker = tmp_path / "count.py"
+    worker.write_text(_COUNTING_WORKER)
+    flags = ["launch", "--workers", "1", "--shards", "2",
+             "--checkpoint-dir", str(tmp_path / "ckpt"),
+             "--checkpoint-every", "1"]
+    command = ["--", sys.executable, str(worker)]
+    first = _cli(*flags, *command)
+    assert first.returncode == 0, first.stdout[-2000:]
+    assert "counted from 0.0 to 3.0 at clock 3" in first.stdout
+    again = _cli(*flags, "--restore", *command)
+    assert again.returncode == 0, again.stdout[-2000:]
+    assert "counted from 3.0 to 6.0 at clock 6" in again.stdout
+    refused = _cli("launch", "--restore", *command)
+    assert refused.returncode == 2
+    assert "--restore needs --checkpoint-dir" in refused.stderr
+
+
 def test_launch_without_checkpoints_stops_when_a_shard_dies(tmp_path):
     result = _launch(
         tmp_path,
