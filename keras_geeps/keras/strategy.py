@@ -291,7 +291,11 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         the slack), then assigns them: after the same number of steps,
         every worker then holds identical trainable weights (non-trainable
         ones, e.g. BatchNorm statistics, are averaged at `fit`'s epoch
-        ends, `average_non_trainable`, not here). Under a
+        ends, `average_non_trainable`, not here). A weight written after
+        the last step, which no step takes to the shards, stays this
+        worker's where no fresh rows come (under BSP: workers that made
+        the same write end alike, as plain TensorFlow would), and is
+        replaced by the shards' rows where they do (SSP). Under a
         memory budget the staged layers first get their variables back
         (`LayerwiseTrainer.materialize()`).
         """
@@ -376,7 +380,7 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         """Closes the connections to the shards."""
         if self._memory is not None:
             self._memory.close()
-        _tf_hooks.release_sync(self.parameter_sync)
+        self.parameter_sync.close()
         self.client.close()
 
 

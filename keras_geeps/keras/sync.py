@@ -143,6 +143,13 @@ class LayerTable:
         self._reads = _BufferPair(layout.total_size, table.dtype)
         self._uploads = _BufferPair(layout.total_size, table.dtype)
 
+    def let_go(self):
+        """Drops the variables, rows and buffers (the sync is closing)."""
+        self.variables = ()
+        self.snapshot = self.pulled_shared = self.outside_change = None
+        self._reads = _BufferPair(self.layout.total_size, self.table.dtype)
+        self._uploads = _BufferPair(self.layout.total_size, self.table.dtype)
+
     def next_buffer(self):
         """A host buffer to read rows into (not the last one handed out)."""
         return self._reads.next()
@@ -239,6 +246,7 @@ class ParameterSync:
         # Keras' fits running on this sync (`_tf_hooks`): their callbacks
         # catch the variables up; steps outside any end by doing so.
         self.fitting = 0
+        self.closed = False
         # What the pull / push ops raised: tf.py_function hands TensorFlow
         # only the message, so `_tf_hooks` re-raises these (take_failure).
         self._failures = []
@@ -247,6 +255,23 @@ class ParameterSync:
     @property
     def built(self):
         return bool(self.tables)
+
+    def close(self):
+        """Lets go of the model's variables and every table's rows and
+        buffers (`GeePSStrategy.close`): a step traced through this sync
+        keeps it alive as long as TensorFlow keeps that function's graph,
+        but nothing of the model. A pull or push after raises."""
+        self.closed = True
+        _tf_hooks.release_sync(self)
+        for layer in self.tables:
+            layer.let_go()
+        self._layer_of = {}
+        self._candidates = []
+
+    def _check_open(self):
+        if self.closed:
+            raise GeePSError("the strategy was closed: its steps pull and "
+                             "push nothing any more")
 
     @property
     def clock(self):
@@ -372,7 +397,8 @@ class ParameterSync:
         try:
             with tf.control_dependencies(pulls):
                 result = call()
-            updated = self._without_created(self._updated, known)
+            traced = self._updated
+            updated = self._without_created(traced, known)
             captured = {}
             if self._capture is not None:
                 captured = self._capture.finish(self.tables)
@@ -381,7 +407,7 @@ class ParameterSync:
         finally:
             self._updated = None  # no step is being traced
             self._capture = None
-        if is_train_step and not updated:
+        if is_train_step and not traced:
             raise GeePSError(
                 "the train step updated no parameter table through the "
                 "optimizer, so nothing would reach the shards: create the "
@@ -405,10 +431,14 @@ class ParameterSync:
             # so the step ends with the shards' rows in them (under BSP the
             # wait the next step's pull would have had, moved: that pull
             # then finds nothing). A step traced in `fit` has no such op;
-            # one traced outside, run in a fit later, skips it.
+            # one traced outside, run in a fit later, skips it. It takes
+            # the variables' handles, so that what the function does with
+            # them after `strategy.run` is ordered after it.
+            handles = [v.handle for group in groups for i in group
+                       for v in self.tables[i].variables]
             with tf.control_dependencies(pushes):
-                tf.py_function(self._catch_up_op, [], tf.bool,
-                               name="geeps_catch_up")
+                tf.py_function(lambda *_: self._catch_up_op(), handles,
+                               tf.bool, name="geeps_catch_up")
         return result
 
     def _push_groups(self, updated):
@@ -629,11 +659,16 @@ class ParameterSync:
             The pulled rows (a 1-D tensor sharing the pull buffer) when
             fresh rows came in, else None.
         """
+        self._check_open()
         layer = self.tables[index]
         table = layer.table
         started = time.perf_counter()
         # (before any read: the rows under the snapshot stay until then)
-        written = self._write_since_pull(layer) if values is None else None
+        # A full pull ends training: no step would carry the write, which
+        # stays the worker's where no fresh rows come (and goes where they
+        # do: every worker then holds the same rows).
+        written = self._write_since_pull(layer) \
+            if values is None and not full else None
         clock = table.clock + self.client.slack if full else None
         # Not under self.lock: the push this pull may be waiting for can
         # come from another thread (the memory manager's write-back).
@@ -887,6 +922,7 @@ class ParameterSync:
         values minus the pulled snapshot. `scale` replaces the update
         mode's factor (a measured update only). A change written outside
         the steps goes at `outside_scale` (`_measure_outside`)."""
+        self._check_open()
         started = time.perf_counter()
         layer = self.tables[index]
         outside = layer.outside_change if scale is None else None

@@ -49,6 +49,17 @@ def _write(model, how):
         model.set_weights(weights)
 
 
+def _sgd_step(model, optimizer):
+    """A hand-written step: `optimizer` on the mse of `model`."""
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return step
+
+
 def _custom_loop(strategy, start, x, y, write, lr=0.1, seen=None):
     """SGD on mse with a hand-written step run through `strategy.run`;
     `write` between steps; `seen(model)` after each step, before it."""
@@ -57,15 +68,10 @@ def _custom_loop(strategy, start, x, y, write, lr=0.1, seen=None):
     with strategy.scope():
         optimizer = keras.optimizers.SGD(lr)
 
+    step = _sgd_step(model, optimizer)
+
     @tf.function
     def train_step(xb, yb):
-        def step(xb, yb):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(xb, training=True) -
-                                                yb))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
         return strategy.run(step, args=(xb, yb))
 
     for i in range(len(x) // BATCH):
@@ -96,6 +102,40 @@ def test_a_custom_loops_step_ends_with_the_shards_rows(thread_cluster, write):
         np.testing.assert_array_equal(weights, rows)
     plain = _custom_loop(_Plain(), start, x, y, write)
     np.testing.assert_allclose(got, flat_weights(plain), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("keras_step", [False, True])
+def test_a_write_in_the_steps_own_function_comes_after_the_pull(
+        thread_cluster, keras_step):
+    """A loop's `tf.function` halving a kernel right after `strategy.run`
+    (its own step, or `model.train_step`, whose update is captured): the
+    write is ordered after the step's closing pull, so it halves the
+    updated weights, as in plain TensorFlow (0.025 off before)."""
+    start = small_model(_Plain()).get_weights()
+    x, y = regression_data(STEPS * BATCH)
+
+    def run(strategy):
+        model = small_model(strategy, name="m")
+        model.set_weights(start)
+        kernel = model.layers[0].kernel
+        step = _sgd_step(model, model.optimizer)
+
+        @tf.function
+        def train(xb, yb):
+            if keras_step:
+                strategy.run(model.train_step, args=((xb, yb),))
+            else:
+                strategy.run(step, args=(xb, yb))
+            kernel.assign(kernel * 0.5)
+
+        for i in range(STEPS):
+            part = slice(i * BATCH, (i + 1) * BATCH)
+            train(tf.constant(x[part]), tf.constant(y[part]))
+        return flat_weights(model)
+
+    with one_worker_strategy(thread_cluster) as strategy:
+        got = run(strategy)
+    np.testing.assert_allclose(got, run(_Plain()), rtol=1e-6, atol=1e-7)
 
 
 def test_model_train_step_run_in_a_custom_loop_leaves_current_weights(
@@ -183,22 +223,22 @@ class _Subclassed(keras.Model):
         return self.b(self.a(x))
 
 
-def _lazy_loop(strategy, x, y, first=None, eager=False):
-    """SGD on a `_Subclassed` model created (not built) in the scope;
-    `first`: another model trained one step before it."""
+def _lazy_loop(strategy, x, y, first=None, eager=False, keras_step=False):
+    """SGD on a `_Subclassed` model created (not built) in the scope,
+    through a step of ours or its compiled `train_step`; `first`: another
+    model trained one step before it."""
     with strategy.scope():
         model = _Subclassed("lazy")
         optimizer = keras.optimizers.SGD(0.1)
+        model.compile(optimizer=optimizer, loss="mse", jit_compile=False)
     if first is not None:
         _custom_loop(strategy, first, x[:BATCH], y[:BATCH], "none")
 
-    def step(xb, yb):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(xb) - yb))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    step = _sgd_step(model, optimizer)
 
     def train_step(xb, yb):
+        if keras_step:
+            return strategy.run(model.train_step, args=((xb, yb),))
         return strategy.run(step, args=(xb, yb))
 
     if not eager:
@@ -209,9 +249,10 @@ def _lazy_loop(strategy, x, y, first=None, eager=False):
     return model
 
 
-@pytest.mark.parametrize("after_another", [False, True])
-def test_a_model_built_at_its_first_step_gets_its_tables(thread_cluster,
-                                                         after_another):
+@pytest.mark.parametrize("after_another,keras_step", [
+    (False, False), (True, False), (True, True)])
+def test_a_model_built_at_its_first_step_gets_its_tables(
+        thread_cluster, after_another, keras_step):
     """Its variables are created while the first step is traced, not yet
     initialized: that trace was refused ("in no parameter table"), or,
     after another model's tables, failed to pack them. The trace
@@ -219,13 +260,14 @@ def test_a_model_built_at_its_first_step_gets_its_tables(thread_cluster,
     x, y = regression_data(STEPS * BATCH)
     first = small_model(_Plain()).get_weights() if after_another else None
     with one_worker_strategy(thread_cluster) as strategy:
-        got = flat_weights(_lazy_loop(strategy, x, y, first))
+        got = flat_weights(_lazy_loop(strategy, x, y, first,
+                                      keras_step=keras_step))
         names = [layer.name for layer in strategy.parameter_sync.tables]
         rows = shard_rows(strategy)
     assert names[-2:] == ["lazy/a", "lazy/b"]
     assert len(names) == (4 if after_another else 2)
     np.testing.assert_array_equal(got, rows[-len(got):])
-    plain = flat_weights(_lazy_loop(_Plain(), x, y))
+    plain = flat_weights(_lazy_loop(_Plain(), x, y, keras_step=keras_step))
     np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-7)
 
 
@@ -238,3 +280,34 @@ def test_a_model_built_at_an_eager_first_step_is_named(thread_cluster):
         with pytest.raises(GeePSError, match=r"lazy/a/kernel.*build the "
                            r"model before the first step"):
             _lazy_loop(strategy, x, y, eager=True)
+
+
+def test_a_closed_strategy_lets_go_of_the_model_and_refuses_steps(
+        thread_cluster):
+    """TensorFlow keeps a traced step's py_functions, and with them the
+    sync, as long as it keeps the function's graph: closing the strategy
+    drops the variables, rows and buffers the sync held (a closed
+    strategy kept the model's size four times over), and a step run
+    after says the strategy was closed."""
+    from keras_geeps.errors import GeePSError  # noqa: PLC0415
+    x, y = regression_data(STEPS * BATCH)
+    start = small_model(_Plain()).get_weights()
+    with one_worker_strategy(thread_cluster) as strategy:
+        model = _custom_loop(strategy, start, x, y, "none")
+        sync = strategy.parameter_sync
+        layers = list(sync.tables)
+        assert all(layer.snapshot is not None for layer in layers)
+
+        @tf.function
+        def step(xb):
+            return strategy.run(lambda v: model(v), args=(xb,))
+
+        step(tf.constant(x[:BATCH]))
+    assert sync.closed
+    for layer in layers:
+        assert layer.variables == () and layer.snapshot is None
+        assert layer._reads._buffers is None
+    with pytest.raises(tf.errors.UnknownError, match="strategy was closed"):
+        step(tf.constant(x[:BATCH]))
+    with pytest.raises(GeePSError, match="strategy was closed"):
+        sync.pull_all()

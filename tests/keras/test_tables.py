@@ -323,6 +323,29 @@ def test_own_update_under_ssp_counts_as_the_shards_apply_it(thread_cluster):
         other.close()
 
 
+def test_a_full_pull_takes_the_fresh_rows_over_a_write(thread_cluster):
+    """A full pull (`strategy.sync()`, the end of training) carries no
+    write onto fresh rows: no step would take it to the shards, and every
+    worker must end with the same rows."""
+    cluster = thread_cluster(1, 2)
+    mine = cluster.client(0, timeout=10, slack=2)
+    other = cluster.client(1, timeout=10, slack=2)
+    try:
+        kernel, sync, theirs = _kernel_sync(mine, other, "sum")
+        sync.pull(0)
+        sync.push(0)
+        sync.pull(0)  # within the slack: no fresh rows
+        kernel.assign_add(tf.fill((2, 2), 4.0))  # after the last step
+        other.read(theirs)
+        other.update(theirs, np.full((2, 2), 2.0, np.float32))
+        other.clock()
+        sync.pull(0, full=True)
+        np.testing.assert_array_equal(kernel.numpy(), 2.0)
+    finally:
+        mine.close()
+        other.close()
+
+
 @pytest.mark.parametrize("update_mode", ["average", "sum"])
 def test_a_write_between_steps_stays_when_fresh_rows_come(thread_cluster,
                                                           update_mode):
