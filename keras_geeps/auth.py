@@ -114,8 +114,11 @@ def load_keypair(path):
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file holds no CURVE key.
+        ValueError: the file holds no CURVE key, or is a folder.
     """
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder, not a CURVE key file "
+                         f"(`keras-geeps keygen` writes them into one)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"CURVE key file {path} does not exist "
                                 f"(`keras-geeps keygen` writes them)")

@@ -152,8 +152,9 @@ def test_launch_and_shard_refuse_counts_that_cannot_be():
 
 
 def test_admin_commands_and_shard_say_bad_input_in_one_line(tmp_path):
-    """A bad address, a shard that does not answer, a key file missing or
-    not a key, a bind that fails: one line naming it, exit 1."""
+    """A bad address, a shard that does not answer, a key file missing,
+    not a key or a folder, a bind that fails, a checkpoint folder that is
+    a file: one line naming it, exit 1."""
     bad_key = tmp_path / "bad.key_secret"
     bad_key.write_text("not a key\n")
     shard = ("shard", "--shard-id", "0", "--num-shards", "1",
@@ -174,7 +175,13 @@ def test_admin_commands_and_shard_say_bad_input_in_one_line(tmp_path):
             ((*shard, "--bind", "tcp://nowhere"), "keras-geeps shard: "),
             ((*shard, "--curve-secret-key", str(bad_key),
               "--curve-allowed-clients", str(tmp_path)),
-             f"keras-geeps shard: {bad_key} is not a CURVE key file")):
+             f"keras-geeps shard: {bad_key} is not a CURVE key file"),
+            (("stats", "--shards", "127.0.0.1:9", "--curve-secret-key",
+              str(tmp_path), "--curve-server-key", str(bad_key)),
+             f"keras-geeps stats: {tmp_path} is a folder, not a CURVE key"),
+            ((*shard, "--bind", "tcp://127.0.0.1:0", "--restore",
+              str(bad_key)), f"keras-geeps shard: {bad_key} is a file: the "
+             f"checkpoints")):
         result = _cli(*args)
         assert result.returncode == 1, (args, result.stderr)
         assert result.stderr.startswith(line), (args, result.stderr)

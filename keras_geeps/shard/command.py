@@ -80,6 +80,12 @@ def settle_restore_flags(args):
     if args.restore and folders and args.checkpoint_dir is None:
         args.checkpoint_dir = folders.pop()
     args.restore = bool(args.restore)
+    if args.checkpoint_dir is not None and \
+            os.path.exists(args.checkpoint_dir) and \
+            not os.path.isdir(args.checkpoint_dir):
+        raise SystemExit(f"keras-geeps shard: {args.checkpoint_dir} is a "
+                         f"file: the checkpoints (--checkpoint-dir, "
+                         f"--restore) go in a folder")
 
 
 def run_from_args(args):
