@@ -3,7 +3,8 @@
 `strategy.run(step_fn, args)` inside a `tf.function` works as with any
 `tf.distribute` strategy: before the step each layer's table is pulled (as
 fresh as the slack requires), after it the optimizer's update of each layer
-is pushed and the table clocked. Create the model and the optimizer inside
+is pushed, the table clocked and pulled back: between steps the weights are
+the shards' rows. Create the model and the optimizer inside
 `strategy.scope()`; run the steps within `strategy.reraise()` so the
 parameter server's errors keep their class; call `strategy.sync()` at the
 end so every worker holds the final parameters.
