@@ -224,7 +224,11 @@ class DeviceParameterCache:
         entry.dirty = True
 
     def clock(self):
-        """Sends every table's logged updates (one pack each) and clocks."""
+        """Sends every table's logged updates (one pack each) and clocks
+        the client: every table it holds, this cache's or not (a worker's
+        clock, as in GeePS). A client a `GeePSStrategy` also uses clocks
+        the strategy's tables apart from its pushes: give the cache a
+        client of its own."""
         for entry in self._tables.values():
             if entry.dirty:
                 buffer = ops.pack([entry.log], entry.layout)
