@@ -68,6 +68,11 @@ def main():
     # Each global batch is split: this worker takes its slice of it.
     train = strategy.distribute_dataset(train.unbatch().batch(
         args.batch_size, drop_remainder=True)).prefetch(tf.data.AUTOTUNE)
+    # tf.data's autotuning thread can take ~5-15 s to tear down an epoch's
+    # iterator on saturated cores, and under BSP the other workers wait.
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    train = train.with_options(options)
 
     with strategy.scope():
         model = build_model()
