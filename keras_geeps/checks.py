@@ -76,3 +76,26 @@ def check_seconds(name, value, zero_means=None):
         bound = f">= 0 (0: {zero_means})" if zero_means else "> 0"
         raise ValueError(f"{name} must be a number of seconds {bound}, not "
                          f"{value!r}")
+
+
+def check_device(device):
+    """Raises ValueError unless `device` names one of this process's
+    TensorFlow devices ("/gpu:0", "GPU:1", "/device:CPU:0"): TensorFlow
+    would place the work elsewhere without a word.
+
+    Args:
+        device: the device name the user gave.
+    """
+    import tensorflow as tf  # noqa: PLC0415 - the shards never load it
+    try:
+        spec = tf.DeviceSpec.from_string(device)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ValueError(f"device {device!r} is not a device name "
+                         f"('/gpu:0', '/cpu:0'): {exc}") from None
+    have = [tf.DeviceSpec.from_string(d.name)
+            for d in tf.config.list_logical_devices()]
+    if not spec.device_type or not any(
+            d.device_type == spec.device_type.upper()
+            and d.device_index == (spec.device_index or 0) for d in have):
+        raise ValueError(f"device {device!r} is none of this process's "
+                         f"devices: {[d.to_string() for d in have]}")

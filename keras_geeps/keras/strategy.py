@@ -4,6 +4,7 @@ import warnings
 
 import tensorflow as tf
 
+from keras_geeps.checks import check_device
 from keras_geeps.client import GeePSClient
 from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
@@ -153,7 +154,7 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")
         else:
-            _check_device(device)
+            check_device(device)
         self.client = client
         self.parameter_sync = ParameterSync(client, update_mode,
                                             capture_updates=capture_updates)
@@ -358,6 +359,7 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             LayerwiseTrainer)
         if self._memory is not None:
             self._memory.close()
+            self._memory = None  # (a new one that fails leaves no plan)
         self._memory = LayerwiseTrainer(
             model, optimizer, loss, batch_size,
             device_memory_budget=self.device_memory_budget,
@@ -382,24 +384,6 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             self._memory.close()
         self.parameter_sync.close()
         self.client.close()
-
-
-def _check_device(device):
-    """Raises ValueError unless `device` names one of this process's
-    devices ("/gpu:0", "GPU:1", "/device:CPU:0"): TensorFlow would place
-    the step elsewhere without a word."""
-    try:
-        spec = tf.DeviceSpec.from_string(device)
-    except (AttributeError, TypeError, ValueError) as exc:
-        raise ValueError(f"device {device!r} is not a device name "
-                         f"('/gpu:0', '/cpu:0'): {exc}") from None
-    have = [tf.DeviceSpec.from_string(d.name)
-            for d in tf.config.list_logical_devices()]
-    if not spec.device_type or not any(
-            d.device_type == spec.device_type.upper()
-            and d.device_index == (spec.device_index or 0) for d in have):
-        raise ValueError(f"device {device!r} is none of this process's "
-                         f"devices: {[d.to_string() for d in have]}")
 
 
 class _BudgetGuard:

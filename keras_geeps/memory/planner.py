@@ -30,12 +30,15 @@ and output are all the activations on the device. A "taped" layer (see
 tape keeps tensors of its own (a dropout mask, an activation's input): they are
 estimated at one tensor of the layer's output size each (`tape_bytes`). Not
 covered: a tape keeping more than that (a gelu or a normalization keeps several
-intermediates), and TensorFlow's workspace (gradients, kernel scratch, a
-recomputed layer's tape during its backward), which `DeviceLedger` does not
-count either. Tables are staged in first-access order (the first layers' data
-waits longest between its forward and backward use, so its prefetch has the
-most slack) until the rest fits; then, with `offload_activations="auto"`,
-activations are offloaded in the same order. Every pool size that could work is
+intermediates), TensorFlow's workspace (gradients, kernel scratch, a
+recomputed layer's tape during its backward), and a recomputed layer's copy
+of the non-trainable variables its forward writes (BatchNorm statistics, a
+dropout's seed; not a frozen layer's weights), kept from its forward to its
+backward; `DeviceLedger` counts none of them either. Tables are staged in
+first-access order (the first layers' data waits longest between its
+forward and backward use, so its prefetch has the most slack) until the
+rest fits; then, with `offload_activations="auto"`, activations are
+offloaded in the same order. Every pool size that could work is
 tried and the plan moving the fewest bytes per step is kept. The search is
 greedy, not exhaustive (it takes O(layers^2) steps): its smallest total, the
 `minimum_budget`, is the smallest budget it finds a plan for, and a budget

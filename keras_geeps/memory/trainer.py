@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_geeps import ops
-from keras_geeps.checks import check_count
+from keras_geeps.checks import check_count, check_device
 from keras_geeps.errors import GeePSError
 from keras_geeps.memory import swapping
 from keras_geeps.memory.planner import check_budget
@@ -129,6 +129,22 @@ def _probe_state_bytes(optimizer, layers):
                              for v in probe.variables
                              if id(v) not in before))
     return sizes
+
+
+def _written_variables(concrete, variables):
+    """Those of `variables` that the traced function `concrete` may write:
+    every one its graph uses other than by reading it (an assignment, or
+    a call into a function that may assign)."""
+    inner = {id(outer): placeholder
+             for outer, placeholder in concrete.graph.captures}
+    written = []
+    for v in variables:
+        placeholder = inner.get(id(v.handle))
+        if placeholder is not None and any(
+                op.type != "ReadVariableOp"
+                for op in placeholder.consumers()):
+            written.append(v)
+    return written
 
 
 def _clone_optimizer(optimizer):
@@ -320,6 +336,7 @@ class _Unit:
         self.param_bytes = sum(tensor_bytes(v) for v in self.tf_params)
         self.table_bytes = sum(tensor_bytes(v) for v in self.tf_all)
         self.nt = [_tf_variable(v) for v in layer.non_trainable_variables]
+        self._written = None   # those of `nt` the forward writes
         self.explicit, self.needs_output = explicit_backward(layer)
         self.want_dx = False   # set by the trainer
         self.tables = []       # ParameterSync table indices
@@ -419,17 +436,22 @@ class _Unit:
     def _apply(self, grads):
         self.optimizer.apply(grads, self.params)
 
-    def snapshot_state(self):
-        """Copies of the non-trainable variables and of Keras' global seed
-        generator (before a forward that will be recomputed)."""
-        return ([tf.identity(v.read_value()) for v in self.nt],
+    def snapshot_state(self, x, mask=None):
+        """Copies of the non-trainable variables the forward writes
+        (BatchNorm statistics, a dropout's seed; not a frozen layer's
+        weights, which it only reads) and of Keras' global seed generator,
+        before a forward that will be recomputed."""
+        if self._written is None:
+            self._written = _written_variables(
+                self.forward.get_concrete_function(x, mask), self.nt)
+        return ([(v, tf.identity(v.read_value())) for v in self._written],
                 _global_seed_state().read_value())
 
     def restore_state(self, values):
         """Puts back what `snapshot_state` copied; returns the global seed
         generator's state before (to put back after the recompute)."""
         variables, seed = values
-        for v, value in zip(self.nt, variables):
+        for v, value in variables:
             v.assign(value)
         state = _global_seed_state()
         now = state.read_value()
@@ -554,7 +576,9 @@ class LayerwiseTrainer:
             `plan`). Defaults to None.
         sync: a `ParameterSync` to pull from and push to the shards.
             Defaults to None (local training).
-        device: where the step runs. Defaults to None: the first GPU if one
+        device: where the step runs: one of this process's devices (a
+            name of none is refused with a `ValueError`: TensorFlow would
+            run the step elsewhere). Defaults to None: the first GPU if one
             is visible, else the CPU.
         audit: measure the real device bytes after every change and compare
             with the ledger (slower; for tests). Defaults to False.
@@ -599,6 +623,8 @@ class LayerwiseTrainer:
         if device is None:
             device = ("/gpu:0" if tf.config.list_physical_devices("GPU")
                       else "/cpu:0")
+        else:
+            check_device(device)
         self.device = device
         self.model = model
         self.sync = sync
@@ -606,25 +632,69 @@ class LayerwiseTrainer:
         self._verify_chain()
         self._input_dtype = tf.as_dtype(model.inputs[0].dtype)
         fixed = _fixed_bytes(self.layers)
+        self.store = HostStore()
+        self.units = []
+        probed = None
         if device_memory_budget is not None:
             # Plan before any optimizer slot exists: one that cannot fit
             # fails here, not after the whole state sat on the device.
-            make_plan(record_model(
+            probed = _probe_state_bytes(optimizer, self.layers)
+            early = make_plan(record_model(
                 model, batch_size, layers=self.layers, fixed_bytes=fixed,
-                state_bytes=_probe_state_bytes(optimizer, self.layers)),
-                device_memory_budget, offload_activations)
-        self.units = [
-            _Unit(i, layer, _clone_optimizer(optimizer)
-                  if layer.trainable_variables else None, device)
-            for i, layer in enumerate(self.layers)]
-        _carry_state_in(optimizer, self.units)
-        self.sequence = record_model(
-            model, batch_size, layers=self.layers, fixed_bytes=fixed,
-            state_bytes=[u.table_bytes - u.param_bytes for u in self.units])
+                state_bytes=probed), device_memory_budget,
+                offload_activations)
+        if sync is not None and not sync.built:
+            sync.build()  # (it reads the weights: before any is stashed)
+        try:
+            self._build_units(optimizer, device,
+                              early.staged if probed else None)
+            if probed is None:
+                self.sequence = record_model(
+                    model, batch_size, layers=self.layers,
+                    fixed_bytes=fixed, state_bytes=[
+                        u.table_bytes - u.param_bytes for u in self.units])
+                self.plan = make_plan(self.sequence, None,
+                                      offload_activations)
+            else:
+                self._check_probe(probed)
+                self.sequence, self.plan = early.sequence, early
+            self._set_up(loss, sync, audit)
+        except BaseException:
+            self._give_stashed_back()
+            raise
+
+    def _build_units(self, optimizer, device, staged):
+        """Each layer's unit, its optimizer copy built on the device and
+        started from `optimizer`'s state; a layer the plan stages (`staged`,
+        by index) is stashed at once, before the next one's state is built:
+        the device never holds more state than the plan counts."""
+        for i, layer in enumerate(self.layers):
+            unit = _Unit(i, layer, _clone_optimizer(optimizer)
+                         if layer.trainable_variables else None, device)
+            self.units.append(unit)
+            _carry_state_in(optimizer, [unit])
+            if staged is not None and staged[i]:
+                self.store.put(i, unit.stash())
+
+    def _check_probe(self, probed):
+        built = [u.table_bytes - u.param_bytes for u in self.units]
+        if built != probed:
+            raise GeePSError(
+                f"the optimizer's state took {built} bytes per layer, not "
+                f"the {probed} measured on host stand-ins that the memory "
+                f"plan was made with")
+
+    def _give_stashed_back(self):
+        """A constructor that fails gives the layers it stashed their
+        parameters back: the model is left as it was given."""
+        for unit in self.units:
+            if unit.index in self.store:
+                hosts = self.store.get(unit.index)
+                unit.fill_params(hosts[:len(unit.tf_params)])
+
+    def _set_up(self, loss, sync, audit):
         for unit, record in zip(self.units, self.sequence.units):
             unit.record = record
-        self.plan = make_plan(self.sequence, device_memory_budget,
-                              offload_activations)
         first = [u.index for u in self.units if u.has_params]
         self._first_needed = first[0] if first else len(self.units)
         for unit in self.units:
@@ -632,7 +702,6 @@ class LayerwiseTrainer:
         self._loss = tf.function(loss, reduce_retracing=True)
         self.ledger = DeviceLedger(self._measure if audit else None)
         self.pool = AccessPool(self.plan.pool_bytes)
-        self.store = HostStore()
         self._held = {}   # activation index -> device tensor we hold
         self._act_category = {}
         self._host_acts = {}
@@ -650,18 +719,15 @@ class LayerwiseTrainer:
         self._fixed = _non_trainable(self.layers)
         self._audit_all = [v for u in self.units for v in u.tf_all] + \
             self._fixed
-        with self._locked():
+        with self._locked():  # (the staged ones are in the store)
             resident = self.sequence.fixed_bytes + sum(
                 u.table_bytes for u in self.units
                 if not self.plan.staged[u.index])
-            staged = [u for u in self.units if self.plan.staged[u.index]]
-            for unit in staged:
-                self.store.put(unit.index, unit.stash())
             self.ledger.change("resident", resident, "setup")
-        self.prefetcher = Worker("geeps-prefetch", device)
-        self.writer = Worker("geeps-writeback", device)
+        self.prefetcher = Worker("geeps-prefetch", self.device)
+        self.writer = Worker("geeps-writeback", self.device)
         self._guard_model()
-        object.__setattr__(model, "_geeps_layerwise_trainer",
+        object.__setattr__(self.model, "_geeps_layerwise_trainer",
                            weakref.ref(self))
 
     # ------------------------------------------------------------ set-up
@@ -692,8 +758,6 @@ class LayerwiseTrainer:
             raise ValueError(message)
 
     def _attach_sync(self, sync):
-        if not sync.built:
-            sync.build()
         owner = {}
         for unit in self.units:
             for pos, v in enumerate(unit.tf_params):
@@ -954,7 +1018,7 @@ class LayerwiseTrainer:
             if needed and mode == "taped":
                 tapes[i], yi, masks[i + 1] = unit.taped_forward(xi, masks[i])
             elif needed and mode == "recompute":
-                states[i] = unit.snapshot_state()
+                states[i] = unit.snapshot_state(xi, masks[i])
                 # the same computation
                 _, yi, masks[i + 1] = unit.taped_forward(xi, masks[i])
             else:
@@ -1258,6 +1322,20 @@ class LayerwiseTrainer:
             self.pool.close()
             self.prefetcher.close()
             self.writer.close()
+            self._forget_activations()
+
+    def _forget_activations(self):
+        """Lets go of the activations a failed step left held (on the
+        device and in host memory): a closed trainer, kept as an object,
+        keeps none of them."""
+        with self._locked():
+            for index, tensor in self._held.items():
+                self.ledger.change(self._act_category[index],
+                                   -tensor_bytes(tensor),
+                                   f"forget act {index}")
+            self._held.clear()
+            self._act_category.clear()
+            self._host_acts.clear()
 
     def _carry_state_out(self):
         """Gives the optimizer the trainer was given the state its
@@ -1295,10 +1373,13 @@ class LayerwiseTrainer:
     def _recover_weights(self):
         """After a failed step: the staged layers' variables from the host
         store, as far as it goes."""
-        try:
-            self.writer.drain()
-        except GeePSError:
-            pass  # the failed step raised it already (and is drained)
+        # A prefetch still running (a pull into a staged layer's host
+        # values) finishes before those values are read.
+        for worker in (self.prefetcher, self.writer):
+            try:
+                worker.drain()
+            except GeePSError:
+                pass  # the failed step raised it already (and is drained)
         try:
             self.materialize()
         except Exception as exc:  # noqa: BLE001 - reported, weights guarded

@@ -160,6 +160,50 @@ def test_frozen_weights_and_statistics_are_planned_and_audited():
                          loss_fn(), BATCH, device_memory_budget=budget - 1)
 
 
+def frozen_conv_model():
+    keras.utils.set_random_seed(0)
+    frozen = keras.layers.Conv2D(32, 3, padding="same", name="frozen")
+    frozen.trainable = False
+    return keras.Sequential([
+        keras.Input((8, 8, 32)), keras.layers.Conv2D(32, 1, name="conv_in"),
+        frozen, keras.layers.BatchNormalization(name="bn"),
+        keras.layers.Dropout(0.25, seed=3, name="drop"),
+        keras.layers.GlobalAveragePooling2D(name="gap"),
+        keras.layers.Dense(10, name="out")])
+
+
+def test_a_recomputed_layer_copies_only_the_state_its_forward_writes():
+    """Recomputing a layer puts back the non-trainable variables its first
+    forward wrote (BatchNorm statistics, a dropout's seed) from a copy
+    held until its backward, outside the budget: a frozen layer's weights,
+    only read, are not copied (that copy was as large as the layer)."""
+    data = batches((8, 8, 32), 10)
+    free, _, _ = train(frozen_conv_model, data)
+    model = frozen_conv_model()
+    trainer = LayerwiseTrainer(
+        model, keras.optimizers.SGD(0.1), loss_fn(), BATCH,
+        device_memory_budget=10**9, audit=True,
+        offload_activations=["frozen", "bn", "drop"])
+    try:
+        for x, y in data:
+            trainer.train_step(x, y)
+        units = {u.name: u for u in trainer.units}
+        assert [trainer.plan.modes[units[n].index]
+                for n in ("frozen", "bn", "drop")] == ["recompute"] * 3
+        layers = {layer.name: layer for layer in model.layers}
+        assert units["frozen"]._written == []
+
+        def of(name):
+            return {id(trainer_module._tf_variable(v))
+                    for v in layers[name].non_trainable_variables}
+        assert {id(v) for v in units["bn"]._written} == of("bn")
+        assert {id(v) for v in units["drop"]._written} == of("drop") != set()
+        trainer.materialize()
+        assert_same(model.get_weights(), free)
+    finally:
+        trainer.close()
+
+
 # ------------------------------------------- 6. weights between two steps
 def small_mlp():
     return seeded_mlp(64, 4, 10)
@@ -268,6 +312,84 @@ def test_budget_too_small_fails_before_optimizer_state_is_built(monkeypatch):
         assert trainer.plan.device_bytes <= info.value.minimum_budget
     finally:
         trainer.close()
+
+
+def test_setup_holds_one_staged_layers_optimizer_state_at_a_time(
+        monkeypatch):
+    """A staged layer's optimizer state is built on the device and stashed
+    before the next layer's is built: setting up never holds the whole
+    model's state (Adam's: twice its parameters) beside the parameters."""
+    units, held = [], []
+    swapping = trainer_module.swapping
+
+    class MeasuringUnit(trainer_module._Unit):
+        def __init__(self, *args, **kwargs):
+            held.append(int(swapping.stored_bytes(
+                [v for u in units for v in u.tf_state])))
+            super().__init__(*args, **kwargs)
+            units.append(self)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((128,))]
+            + [keras.layers.Dense(128, activation="relu") for _ in range(6)])
+
+    probe = build()
+    state = trainer_module._probe_state_bytes(keras.optimizers.Adam(0.01),
+                                              probe.layers)
+    budget = plan(record_model(probe, BATCH, state_bytes=state),
+                  10**12).minimum_budget
+    monkeypatch.setattr(trainer_module, "_Unit", MeasuringUnit)
+    data = batches((128,), 10)
+    model = build()
+    trainer = LayerwiseTrainer(model, keras.optimizers.Adam(0.01), loss_fn(),
+                               BATCH, device_memory_budget=budget)
+    try:
+        assert all(trainer.plan.staged)
+        assert max(held) <= max(state) < sum(state)
+        for x, y in data:
+            trainer.train_step(x, y)
+        trainer.materialize()
+        staged = model.get_weights()
+    finally:
+        trainer.close()
+    monkeypatch.undo()
+    reference = build()
+    trainer = LayerwiseTrainer(reference, keras.optimizers.Adam(0.01),
+                               loss_fn(), BATCH)
+    try:
+        for x, y in data:
+            trainer.train_step(x, y)
+    finally:
+        trainer.close()
+    assert_same(staged, reference.get_weights())
+
+
+def test_a_trainer_that_fails_to_set_up_gives_the_layers_back():
+    """Staged layers are stashed while the trainer is set up; a failure
+    after that (here the optimizer's state, built for another model, has
+    no slot for a later layer) leaves the model's weights as they were."""
+    def build(width):
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(  # (the same names: the same slots)
+            [keras.Input((32,))]
+            + [keras.layers.Dense(32, name=f"d{i}") for i in range(3)]
+            + [keras.layers.Dense(width, name="out")], name="m")
+
+    model = build(10)
+    before = model.get_weights()
+    other = build(7)
+    optimizer = keras.optimizers.Adam(0.01)
+    optimizer.build(other.trainable_variables)
+    state = trainer_module._probe_state_bytes(optimizer, model.layers)
+    budget = plan(record_model(model, BATCH, state_bytes=state),
+                  10**12).minimum_budget
+    with pytest.raises(ValueError, match="no .* of shape"):
+        LayerwiseTrainer(model, optimizer, loss_fn(), BATCH,
+                         device_memory_budget=budget)
+    assert_same(model.get_weights(), before)
+    assert getattr(model, "_geeps_layerwise_trainer", None) is None
 
 
 # ------------------------------------- 10. a finished job lets go of its data
@@ -486,6 +608,21 @@ def test_closing_after_a_failed_step_leaves_weights_not_empty_ones():
     assert_same(model.get_weights(), after_one)
     with pytest.raises(GeePSError, match="closed"):
         trainer.release()
+    # Nor does the closed trainer keep the activations the step held.
+    assert trainer._held == {} and trainer._host_acts == {}
+    assert trainer.ledger.bytes["activations"] == 0
+
+
+def test_a_device_this_process_lacks_is_refused():
+    """TensorFlow would run the step on another device without a word."""
+    model = small_mlp()
+    for device, pattern in [("/gpu:99", "none of this process's devices"),
+                            ("not a device", "not a device name"),
+                            (3, "not a device name")]:
+        with pytest.raises(ValueError, match=pattern):
+            LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                             BATCH, device=device)
+    assert getattr(model, "_geeps_layerwise_trainer", None) is None
 
 
 def test_a_second_trainer_on_a_model_held_by_an_open_one_is_refused():
