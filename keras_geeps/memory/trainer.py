@@ -77,8 +77,11 @@ def _global_seed_state():
 # Model methods that read or write the weights: they materialize first.
 _WEIGHT_READERS = ("get_weights", "save_weights", "save", "set_weights",
                    "load_weights")
-# A staged layer's own: it materializes first too.
-_LAYER_WEIGHT_READERS = ("get_weights", "set_weights")
+# A staged layer's own: it materializes first too. Keras' saving code
+# (`keras.saving.save_model`, a `.keras` or `.weights.h5` file however it
+# is written or read) goes through the last two.
+_LAYER_WEIGHT_READERS = ("get_weights", "set_weights", "save_own_variables",
+                         "load_own_variables")
 
 
 def _non_trainable_by_layer(layers):
@@ -1219,10 +1222,10 @@ class LayerwiseTrainer:
             raise
 
     def _guard_model(self):
-        """Makes the model's weight readers (`get_weights`, `save_weights`,
-        `save`, and each staged layer's `get_weights`) call `materialize()`
-        first: between steps a staged layer's variables are empty, and
-        reading them would return (or write) empty weights."""
+        """Makes the model's weight readers and writers (`_WEIGHT_READERS`,
+        and each staged layer's `_LAYER_WEIGHT_READERS`) call
+        `materialize()` first: between steps a staged layer's variables are
+        empty, and reading them would return (or write) empty weights."""
         self._guarded = []
         owners = [self.model] + [u.layer for u in self.units
                                  if self.plan.staged[u.index]]
