@@ -60,6 +60,17 @@ from tensorflow.python.ops import resource_variable_ops
 from keras_geeps.keras import rejoin
 
 
+def _callers(max_frames):
+    """The `self` of each of the caller's callers, nearest first (None for
+    a function's frame), `max_frames` at most."""
+    frame = inspect.currentframe().f_back
+    for _ in range(max_frames):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return
+        yield frame.f_locals.get("self")
+
+
 def _creating_keras_variable(max_frames=16):
     """The path of the Keras variable whose TF variable is being created
     (the caller's callers), or None for a plain TF variable.
@@ -70,15 +81,24 @@ def _creating_keras_variable(max_frames=16):
     plain 'kernel' and 'bias'. Its Keras variable, whose initialisation
     creates it, knows its path ('model/dense/kernel').
     """
-    frame = inspect.currentframe()
-    for _ in range(max_frames):
-        frame = frame.f_back if frame is not None else None
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
+    for owner in _callers(max_frames):
         if isinstance(owner, keras.Variable):
             return owner.path
     return None
+
+
+def _creating_layer_weight(max_frames=48):
+    """Whether the TF variable being created is a Keras layer's weight:
+    the nearest Keras object among the callers is a layer, not an
+    optimizer (its slots) or a metric (its totals), which a model's
+    compile or step may create inside a layer's call."""
+    for owner in _callers(max_frames):
+        if isinstance(owner, (keras.optimizers.Optimizer,
+                              keras.metrics.Metric)):
+            return False
+        if isinstance(owner, keras.layers.Layer):
+            return True
+    return False
 
 
 class GeePSExtended(one_device_strategy.OneDeviceExtended):
@@ -91,9 +111,10 @@ class GeePSExtended(one_device_strategy.OneDeviceExtended):
     def _create_variable(self, next_creator, **kwargs):
         variable = super()._create_variable(next_creator, **kwargs)
         trainable = kwargs.get("trainable")
-        self._geeps_sync.track_variable(variable,
-                                        trainable is None or bool(trainable),
-                                        keras_path=_creating_keras_variable())
+        trainable = trainable is None or bool(trainable)
+        self._geeps_sync.track_variable(
+            variable, trainable, keras_path=_creating_keras_variable(),
+            layer_weight=not trainable and _creating_layer_weight())
         return variable
 
     def _update(self, var, fn, args, kwargs, group):

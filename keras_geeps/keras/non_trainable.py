@@ -20,9 +20,12 @@ Averaged: the model's non-trainable floating-point variables that no
 frozen layer (`trainable=False`) holds and no parameter table holds (a
 frozen LoRA kernel is the shards', alike everywhere), so a frozen
 BatchNorm's statistics (and a frozen backbone's weights, which never
-change) cost nothing. Random seed states and other integer variables are
-left alone. The variables' paths, shapes and dtypes make the barrier's
-key: workers whose models differ get a clear error. One table per layout
+change) cost nothing. Statistics or not: a constant one (a fixed random
+projection) is averaged too, which leaves it as it is, as every worker
+started from worker 0's value (`initial_values.py`). Random seed
+states and other integer variables are left alone. The variables' paths,
+shapes and dtypes make the barrier's key: workers whose models differ get
+a clear error. One table per layout
 and client (strategies sharing a client share them), named
 `keras_geeps.non_trainable.<n>` in the order the layouts first come; like
 the epoch logs, it needs epoch ends that line up across workers (a worker

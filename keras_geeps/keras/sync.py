@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from keras_geeps import ops, protocol
 from keras_geeps.errors import GeePSError
-from keras_geeps.keras import _tf_hooks
+from keras_geeps.keras import _tf_hooks, initial_values
 from keras_geeps.keras.capture import UpdateCapture, variable_name
 
 log = logging.getLogger(__name__)
@@ -228,6 +228,7 @@ class ParameterSync:
         # noted before their table was built (`note_traced_write`)
         self._traced_writes = set()
         self._candidates = []
+        self._constants = []       # non-trainable ones (initial_values)
         self._updated = None
         self.capture_updates = capture_updates
         self._capture = None       # the UpdateCapture of the step traced now
@@ -267,6 +268,7 @@ class ParameterSync:
             layer.let_go()
         self._layer_of = {}
         self._candidates = []
+        self._constants = []
 
     def _check_open(self):
         if self.closed:
@@ -294,16 +296,24 @@ class ParameterSync:
         return [table for table in tables if table.clock >= furthest - 1]
 
     # --------------------------------------------------- strategy hooks
-    def track_variable(self, variable, trainable, keras_path=None):
+    def track_variable(self, variable, trainable, keras_path=None,
+                       layer_weight=False):
         """Called for every variable created in the strategy's scope.
 
         A trainable one gets a table at the next step, also when created
         after the first tables (a second model, a new head): one table per
         layer, named by `keras_path` (its Keras variable's path) when it
-        has one, else by its TF name.
+        has one, else by its TF name. A non-trainable `layer_weight` (a
+        Keras layer's, not an optimizer's or a metric's) gets worker 0's
+        value at that build (`initial_values`).
         """
         if trainable:
             self._candidates.append((variable, keras_path))
+        elif layer_weight and not tf.inside_function():
+            # Worker 0's starting value, shared at the next build. Not one
+            # a traced step creates (a model built lazily): it may have
+            # changed by the build after.
+            self._constants.append(variable)
 
     def not_held(self, variables):
         """The ones of `variables` (tf or keras.Variables) that no
@@ -571,9 +581,11 @@ class ParameterSync:
         Collective: every worker builds the same tables in the same order
         (the same model code creates the same variables, and trains its
         models in the same order). Worker 0's values initialise the tables;
-        the others take them at their first pull. Variables created after
-        a build (a second model in the scope) get their tables at the next
-        build, appended to `tables`.
+        the others take them at their first pull. The non-trainable
+        floating-point variables tracked so far (of `variables`, when
+        given) get worker 0's values here (`initial_values`). Variables
+        created after a build (a second model in the scope) get their
+        tables at the next build, appended to `tables`.
 
         Args:
             variables: build only the tracked ones among these, leaving the
@@ -586,6 +598,7 @@ class ParameterSync:
                 name an existing table has (a layer that created variables
                 after its table was built, or two models of the same name).
         """
+        given = variables
         chosen, pending = self._candidates, []
         if variables is not None:
             wanted = _ids(variables)
@@ -632,6 +645,25 @@ class ParameterSync:
                 _ids(variables) & self._traced_writes)
             self.tables.append(layer)
             self._layer_of.update((i, layer) for i in _ids(variables))
+        self._share_constants(given)
+
+    def _share_constants(self, variables):
+        """Worker 0's values of the non-trainable variables tracked so far
+        (of `variables`, when given), right after the trainable ones' tables
+        (every worker at the same point); the others stay for a later
+        build."""
+        chosen = self._constants
+        if variables is not None:
+            wanted = _ids(variables)
+            chosen = [v for v in self._constants if id(v) in wanted]
+        if not chosen:
+            return
+        taken = _ids(chosen)
+        self._constants = [v for v in self._constants if id(v) not in taken]
+        held = _ids(v for layer in self.tables for v in layer.variables)
+        initial_values.share_initial_values(
+            self.client, [v for v in chosen if id(v) not in held],
+            lambda total: row_width(total, self.max_row_width))
 
     def table_report(self):
         """A printable list of tables: layer, rows x width, bytes, shards."""

@@ -302,3 +302,61 @@ def test_workers_training_their_models_in_other_orders_are_refused(
     assert len(refused) == 1, results
     assert "exists as" in refused[0] and "'first/a'" in refused[0] and \
         "'second/a'" in refused[0]
+
+
+class _RandomProjection(keras.layers.Layer):
+    """A fixed random projection: a weight made non-trainable, with a
+    random initializer, in a trainable layer."""
+
+    def build(self, input_shape):
+        self.proj = self.add_weight(shape=(input_shape[-1], 6),
+                                    initializer="random_normal",
+                                    trainable=False, name="proj")
+
+    def call(self, x):
+        return keras.ops.relu(x @ self.proj)
+
+
+def test_every_worker_starts_from_worker_0s_non_trainable_weights(
+        thread_cluster):
+    """Workers seeded differently (as processes without a common seed)
+    draw different random non-trainable weights: they take worker 0's at
+    the first step, as the parameter tables take its trainable ones. A
+    frozen layer's would otherwise differ for the whole run; a trainable
+    layer's would be replaced at the first epoch end by the mean of two
+    random draws, a weight no worker held. The optimizer's slots and the
+    metrics' totals (each worker's own) are not shared."""
+    from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
+    cluster, x, y = _two_workers(thread_cluster)
+
+    def worker(w):
+        strategy = GeePSStrategy(client=cluster.client(w, timeout=10))
+        try:
+            with _BUILD, strategy.scope():
+                keras.utils.set_random_seed(100 + w)
+                frozen = _RandomProjection(name="frozen")
+                frozen.trainable = False
+                model = keras.Sequential([
+                    keras.Input((5,)), _RandomProjection(name="rp"), frozen,
+                    keras.layers.BatchNormalization(name="bn"),
+                    keras.layers.Dense(2, name="head")], name="m")
+                model.compile(optimizer=keras.optimizers.Adam(0.01),
+                              loss="mse", jit_compile=False)
+            start = {v.path: np.array(v.numpy()) for v in model.weights}
+            model.fit(x[w::2], y[w::2], batch_size=4, epochs=2, verbose=0,
+                      callbacks=strategy.callbacks())
+            end = {v.path: np.array(v.numpy()) for v in model.weights}
+            return start, end, strategy.parameter_sync._constants
+        finally:
+            strategy.close()
+
+    results, errors = run_worker_threads(2, worker)
+    assert not errors, errors[0]
+    (start0, end0, left0), (start1, end1, _) = results[0], results[1]
+    for path in ("m/rp/proj", "m/frozen/proj"):
+        assert not np.array_equal(start0[path], start1[path])
+        np.testing.assert_array_equal(end0[path], start0[path])
+        np.testing.assert_array_equal(end1[path], start0[path])
+    for path in end0:  # the statistics averaged, the rest trained alike
+        np.testing.assert_allclose(end0[path], end1[path], rtol=1e-6)
+    assert left0 == []  # nothing left to share at a later build

@@ -28,7 +28,8 @@ def _model():
 def test_hooks_see_variables_updates_and_steps(thread_cluster):
     cluster = thread_cluster(1, 1)
     strategy = GeePSStrategy(client=cluster.client(0, timeout=20))
-    calls = {"updates": 0, "steps": [], "tracked": 0, "paths": []}
+    calls = {"updates": 0, "steps": [], "tracked": 0, "paths": [],
+             "layer_weights": 0}
     sync = strategy.parameter_sync
     real_note, real_wrap, real_track = (sync.note_update, sync.wrap_step,
                                         sync.track_variable)
@@ -43,10 +44,11 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         calls["steps"].append((is_train_step, builds))
         return real_wrap(call, is_train_step, builds_tables)
 
-    def track(variable, trainable, keras_path=None):
+    def track(variable, trainable, keras_path=None, layer_weight=False):
         calls["tracked"] += trainable
         calls["paths"].append(keras_path)
-        real_track(variable, trainable, keras_path)
+        calls["layer_weights"] += layer_weight
+        real_track(variable, trainable, keras_path, layer_weight)
 
     sync.note_update, sync.wrap_step, sync.track_variable = note, wrap, track
     try:
@@ -58,6 +60,8 @@ def test_hooks_see_variables_updates_and_steps(thread_cluster):
         model.evaluate(x, np.ones((8, 2), np.float32), verbose=0)
         model.predict(x, verbose=0)
         assert calls["tracked"] == 4          # 2 kernels + 2 biases
+        # (the optimizer's and metrics' variables are no layer's weights)
+        assert calls["layer_weights"] == 0
         assert [p for p in calls["paths"] if p and "/" in p][:4] == [
             f"{model.name}/{layer}/{v}" for layer in "ab"
             for v in ("kernel", "bias")]      # their Keras variables' paths

@@ -1,0 +1,89 @@
+"""Worker 0's starting values of the variables no parameter table holds.
+
+A parameter table starts from worker 0's values of its layer's trainable
+variables (`ParameterSync.build`), so every worker trains the same model
+whatever seeds its process drew. A model's non-trainable variables are
+no table's: a frozen layer's weights (`trainable=False`), a weight made
+non-trainable with a random initializer (`SpectralNormalization`'s `u`),
+BatchNorm's statistics. Without more each worker would start from its own
+random draw of them: frozen weights would differ between workers for the
+whole run, and the epoch-end mean of the statistics (`non_trainable.py`)
+would average random draws into a weight no worker ever held.
+
+So, where the strategy builds the tables of a model's trainable variables,
+it shares the model's non-trainable floating-point variables created in its
+scope the same way: worker 0 creates a table holding their values (one
+per dtype, `keras_geeps.initial.<n>:<dtype>`, n counting the client's
+such tables), and every other worker declares it and assigns what it reads
+at clock 0 into its variables. The table is never clocked or updated: a
+worker that rejoins a job under way reads the same starting values there.
+It costs the shards, and each worker's cache, the variables' bytes once.
+Integer variables (random seed states, counters) are left as they are.
+"""
+
+import weakref
+
+import keras
+
+from keras_geeps import ops
+
+TABLE_PREFIX = "keras_geeps.initial"
+# client -> how many such tables it has made (the next one's number)
+_COUNTS = weakref.WeakKeyDictionary()
+
+
+def shared_kinds(variables):
+    """Those of `variables` whose starting values are shared: the
+    floating-point ones, grouped by dtype name, in the given order.
+
+    Args:
+        variables: tf.Variables.
+
+    Returns:
+        A dict {dtype name: [variables]}.
+    """
+    groups = {}
+    for variable in variables:
+        if keras.backend.is_float_dtype(variable.dtype.name):
+            groups.setdefault(variable.dtype.name, []).append(variable)
+    return groups
+
+
+def share_initial_values(client, variables, row_width):
+    """Gives every worker worker 0's values of `variables` (collective:
+    every worker calls it at the same point of its table order with the
+    same variables, in the same order).
+
+    Args:
+        client: the worker's `GeePSClient`.
+        variables: tf.Variables (non-trainable, held by no table).
+        row_width: a function giving a table's row width from its size.
+
+    Returns:
+        The number of variables whose values were shared.
+
+    Example:
+
+    ```python
+    # (ParameterSync.build does this for a model's non-trainable weights)
+    share_initial_values(strategy.client, frozen_weights, row_width)
+    ```
+    """
+    shared = 0
+    for dtype, group in shared_kinds(variables).items():
+        number = _COUNTS.get(client, 0)
+        _COUNTS[client] = number + 1
+        layout = ops.PackLayout(group)
+        total = layout.total_size
+        if not total:
+            continue
+        width = row_width(total)
+        creator = client.worker_id == client.initializer
+        init = ops.pack(group, layout).numpy() if creator else None
+        table = client.create_table(f"{TABLE_PREFIX}.{number}:{dtype}",
+                                    total // width, width, dtype, init=init)
+        if not creator:
+            rows = client.read(table, clock=0)
+            ops.unpack(rows.reshape(-1), group, layout)
+        shared += len(group)
+    return shared
