@@ -12,7 +12,7 @@ then hold the mean over the workers that took part (a dead worker, under
 `on_worker_failure="continue"`, is no longer counted).
 
 The table (`TABLE`, one per client, one per-clock row of fixed width: room
-for `MAX_KEYS` numbers and four more) is a `keras/worker_mean.WorkerMean`,
+for `MAX_KEYS` numbers and five more) is a `keras/worker_mean.WorkerMean`,
 keyed by a hash of the logs' keys: workers whose logs have different keys
 get a clear error instead of a mean of unlike values, and a NaN or an
 infinity in one epoch does not poison the later ones. Each barrier also
@@ -37,10 +37,32 @@ from keras_geeps.errors import GeePSError
 from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE = "keras_geeps.epoch_logs"
-MAX_KEYS = 252
-# Before the logs' numbers: where the epoch ended (`EpochEnd`) and the
-# barrier's number (the table's clock it is taken at).
-_EPOCH, _CLOCK, _STATISTICS, _BARRIER, _LOGS = 0, 1, 2, 3, 4
+MAX_KEYS = 251
+# Before the logs' numbers: where the epoch ended (`EpochEnd`), the
+# barrier's number (the table's clock it is taken at) and the clock's
+# square (its mean is the clock's squared only when every worker's clock
+# is the same).
+_EPOCH, _CLOCK, _STATISTICS, _BARRIER, _CLOCK_SQUARE, _LOGS = range(6)
+
+
+def _check_clocks(means, epoch, clock):
+    """Raises on every worker when the workers' clocks at this epoch end
+    differ: the mean of their squares is then more than their mean's
+    square (equal ones give it exactly, in float64, below 2**26 steps).
+    Workers that ran different numbers of steps would otherwise wait for
+    each other's clocks until the timeout, blaming no data."""
+    mean, square = means[_CLOCK], means[_CLOCK_SQUARE]
+    if clock is None or not (np.isfinite(mean) and np.isfinite(square)):
+        return
+    if square != mean * mean:
+        spread = np.sqrt(max(square - mean * mean, 0.0))
+        raise GeePSError(
+            f"the workers ended epoch {epoch} after different numbers of "
+            f"steps (this worker at clock {clock}; the workers' mean "
+            f"{mean:g}, spread {spread:.3g}): every worker must run as many "
+            f"steps per epoch. Give each the same number of batches: "
+            f"strategy.distribute_dataset(ds) cuts the workers' parts to "
+            f"one length, or pass steps_per_epoch to fit")
 
 
 class EpochEnd(collections.namedtuple(
@@ -138,7 +160,8 @@ class EpochLogAverager:
 
         Raises:
             GeePSError: the workers' logs have different keys, or more
-                than `MAX_KEYS` numbers.
+                than `MAX_KEYS` numbers, or their `clock`s differ (every
+                worker raises it, at the same barrier).
             GeePSTimeoutError: a worker did not reach this epoch's end in
                 the client's timeout.
         """
@@ -158,6 +181,7 @@ class EpochLogAverager:
         row = np.zeros(_LOGS + MAX_KEYS)
         row[_EPOCH] = np.nan if epoch is None else epoch
         row[_CLOCK] = np.nan if clock is None else clock
+        row[_CLOCK_SQUARE] = np.nan if clock is None else float(clock) ** 2
         row[_STATISTICS] = np.nan if statistics_clock is None \
             else statistics_clock
         row[_BARRIER] = self.worker_mean.table().clock
@@ -172,6 +196,7 @@ class EpochLogAverager:
                      f"worker: {shaped}): give every worker the same "
                      f"metrics and validation settings",
             what="averaging the epoch logs")
+        _check_clocks(means, epoch, clock)
         start = _LOGS
         for key in keys:
             value = values[key]

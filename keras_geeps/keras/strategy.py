@@ -193,7 +193,18 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
         until the timeout). That needs the dataset's length: one that
         TensorFlow cannot count (after `filter`, from `from_generator`, ...)
         is refused, unless it is infinite (`repeat()`; `fit` then needs
-        `steps_per_epoch`, which every worker runs).
+        `steps_per_epoch`, which every worker runs). Shuffle after it, or
+        with a seed every worker passes alike: a dataset shuffled without
+        a seed is in another order in every process, and the workers'
+        shares would overlap.
+
+        Example:
+
+        ```python
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64)
+        ds = strategy.distribute_dataset(ds).shuffle(100)
+        model.fit(ds, epochs=3, callbacks=strategy.callbacks())
+        ```
 
         Args:
             dataset: a `tf.data.Dataset`, usually already batched.

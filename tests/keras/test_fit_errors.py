@@ -343,6 +343,46 @@ def test_a_dataset_of_known_length_is_evened_out(thread_cluster):
             strategy.close()
 
 
+def test_workers_running_different_numbers_of_steps_are_told_at_once(
+        thread_cluster):
+    """numpy data split unevenly (33 rows by 2, batch 4): worker 0 runs 5
+    steps an epoch, worker 1 4. Their first epoch-end barrier carries both
+    clocks, and both raise there, saying why, instead of waiting for each
+    other's clocks until the timeout (20 s here)."""
+    strategies = _strategies(thread_cluster)
+    x, y = regression_data(33)
+    errors = {}
+    build = threading.Lock()
+
+    def worker(w):
+        with build:
+            model = small_model(strategies[w], name="m")
+        started = time.monotonic()
+        try:
+            model.fit(x[w::2], y[w::2], batch_size=BATCH, epochs=3,
+                      verbose=0, callbacks=strategies[w].callbacks())
+        except GeePSError as exc:
+            errors[w] = (exc, time.monotonic() - started)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads)
+    finally:
+        for strategy in strategies:
+            strategy.close()
+    assert sorted(errors) == [0, 1], errors
+    for w, clock in ((0, 5), (1, 4)):
+        exc, seconds = errors[w]
+        assert not isinstance(exc, GeePSTimeoutError)
+        assert f"ended epoch 0 after different numbers of steps (this " \
+            f"worker at clock {clock}; the workers' mean 4.5" in str(exc)
+        assert "distribute_dataset" in str(exc) and seconds < 20
+
+
 def _rejoin_after(cluster, steps_before):
     """Worker 0 runs `steps_before(first, model)` while worker 1, silent,
     is declared dead; then worker 1 comes back. Returns (first, again):
