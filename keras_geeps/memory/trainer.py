@@ -134,6 +134,10 @@ def _probe_state_bytes(optimizer, layers):
     return sizes
 
 
+def _call(method, *args):
+    return method(*args)
+
+
 def _written_variables(concrete, variables):
     """Those of `variables` that the traced function `concrete` may write:
     every one its graph uses other than by reading it (an assignment, or
@@ -346,9 +350,10 @@ class _Unit:
         self.table_positions = {}  # table index -> positions in tf_params
 
         def fn(method):
-            # A closure per layer: TensorFlow's retracing warning counts
-            # traces per Python function, and every layer traces its own.
-            return tf.function(lambda *args: method(*args),
+            # TensorFlow's retracing warning counts traces per code object
+            # (every layer's closure would share one): a partial has none,
+            # so it counts each layer's function on its own.
+            return tf.function(functools.partial(_call, method),
                                reduce_retracing=True)
 
         self.forward = fn(self._forward)

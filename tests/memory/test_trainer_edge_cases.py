@@ -5,6 +5,7 @@ before the optimizer state exists. Every run under a budget is compared
 with the same run without one (or with Keras' own gradients)."""
 
 import functools
+import logging
 import threading
 import weakref
 
@@ -632,6 +633,27 @@ def test_a_device_this_process_lacks_is_refused():
             LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
                              BATCH, device=device)
     assert getattr(model, "_geeps_layerwise_trainer", None) is None
+
+
+def test_many_staged_layers_trace_without_tensorflows_retracing_warning():
+    """Each layer's functions trace on their own: TensorFlow, counting
+    traces per code object, warned of "retracing" for 5 staged layers or
+    more when the layers' closures shared one."""
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Collect()
+    tf.get_logger().addHandler(handler)
+    try:
+        train(functools.partial(seeded_mlp, 32, 6, 10),
+              batches((32,), 10), budget=minimum_budget(
+                  functools.partial(seeded_mlp, 32, 6, 10)))
+    finally:
+        tf.get_logger().removeHandler(handler)
+    assert not [m for m in messages if "retracing" in m]
 
 
 def test_a_second_trainer_on_a_model_held_by_an_open_one_is_refused():
