@@ -11,10 +11,11 @@ whole run, and the epoch-end mean of the statistics (`non_trainable.py`)
 would average random draws into a weight no worker ever held.
 
 So, where the strategy builds the tables of a model's trainable variables,
-it shares the model's non-trainable floating-point variables created in its
-scope the same way: worker 0 creates a table holding their values (one
-per dtype, `keras_geeps.initial.<n>:<dtype>`, n counting the client's
-such tables), and every other worker declares it and assigns what it reads
+it shares its layers' non-trainable floating-point weights created in its
+scope (not an optimizer's slots or a metric's totals) the same way:
+worker 0 creates a table holding their values (one per dtype,
+`keras_geeps.initial.<n>:<dtype>`, n counting the client's such tables),
+and every other worker declares it and assigns what it reads
 at clock 0 into its variables. The table is never clocked or updated: a
 worker that rejoins a job under way reads the same starting values there.
 It costs the shards, and each worker's cache, the variables' bytes once.

@@ -598,12 +598,15 @@ class ParameterSync:
                 name an existing table has (a layer that created variables
                 after its table was built, or two models of the same name).
         """
-        given = variables
         chosen, pending = self._candidates, []
+        constants, constants_left = self._constants, []
         if variables is not None:
             wanted = _ids(variables)
             chosen = [c for c in self._candidates if id(c[0]) in wanted]
             pending = [c for c in self._candidates if id(c[0]) not in wanted]
+            constants = [v for v in self._constants if id(v) in wanted]
+            constants_left = [v for v in self._constants
+                              if id(v) not in wanted]
         groups, paths = {}, {}
         for variable, keras_path in chosen:
             key = (layer_name(variable, keras_path), variable.dtype.name)
@@ -645,25 +648,13 @@ class ParameterSync:
                 _ids(variables) & self._traced_writes)
             self.tables.append(layer)
             self._layer_of.update((i, layer) for i in _ids(variables))
-        self._share_constants(given)
-
-    def _share_constants(self, variables):
-        """Worker 0's values of the non-trainable variables tracked so far
-        (of `variables`, when given), right after the trainable ones' tables
-        (every worker at the same point); the others stay for a later
-        build."""
-        chosen = self._constants
-        if variables is not None:
-            wanted = _ids(variables)
-            chosen = [v for v in self._constants if id(v) in wanted]
-        if not chosen:
-            return
-        taken = _ids(chosen)
-        self._constants = [v for v in self._constants if id(v) not in taken]
-        held = _ids(v for layer in self.tables for v in layer.variables)
-        initial_values.share_initial_values(
-            self.client, [v for v in chosen if id(v) not in held],
-            lambda total: row_width(total, self.max_row_width))
+        # Right after the trainable ones' tables: every worker at the same
+        # point of its table order.
+        self._constants = constants_left
+        if constants:
+            initial_values.share_initial_values(
+                self.client, constants,
+                lambda total: row_width(total, self.max_row_width))
 
     def table_report(self):
         """A printable list of tables: layer, rows x width, bytes, shards."""

@@ -642,7 +642,7 @@ class LayerwiseTrainer:
         fixed = _fixed_bytes(self.layers)
         self.store = HostStore()
         self.units = []
-        probed = None
+        early = None
         if device_memory_budget is not None:
             # Plan before any optimizer slot exists: one that cannot fit
             # fails here, not after the whole state sat on the device.
@@ -655,8 +655,8 @@ class LayerwiseTrainer:
             sync.build()  # (it reads the weights: before any is stashed)
         try:
             self._build_units(optimizer, device,
-                              early.staged if probed else None)
-            if probed is None:
+                              None if early is None else early.staged)
+            if early is None:
                 self.sequence = record_model(
                     model, batch_size, layers=self.layers,
                     fixed_bytes=fixed, state_bytes=[
