@@ -1620,19 +1620,24 @@ class GeePSClient:
         self._releases.clear()
 
     def _leave(self, wait):
-        """Sends LEAVE to every shard that watches for silent workers, and
-        waits `wait` seconds at most for their ACKs, which follow everything
-        sent before. Nothing when the job stopped or the I/O thread failed;
-        a shard that does not answer is only logged (a worker_timeout there
-        may then declare this worker dead). (What was sent to the others
-        leaves before the sockets close: `IOThread.close`.)"""
+        """Sends LEAVE to every shard that watches for silent workers, or to
+        every shard where they write checkpoints (a shard answers once a
+        checkpoint holds this worker's last clocks: its replay log closes
+        with it), and waits `wait` seconds at most for their ACKs, which
+        follow everything sent before. Nothing when the job stopped or the
+        I/O thread failed; a shard that does not answer is only logged (a
+        worker_timeout there may then declare this worker dead). (What was
+        sent to the others leaves before the sockets close:
+        `IOThread.close`.)"""
         if self._io is None or self._job_failed is not None or \
                 self._io.failed is not None:
             return
         self._io.heartbeat_interval = 0  # (a late one would say HELLO)
         futures = []
         try:
-            for shard in sorted(self._watching):
+            shards = range(self.cluster.num_shards) if self._keep_log \
+                else sorted(self._watching)
+            for shard in shards:
                 if shard not in self._lost:
                     futures.append(Future())
                     self._queue(shard, Message(MsgType.LEAVE), futures[-1])

@@ -22,10 +22,10 @@ pytestmark = pytest.mark.slow
 ROWS, WIDTH = 4, 4
 
 
-def _cluster(directory, policy):
+def _cluster(directory, policy, worker_timeout="1.5"):
     return LocalCluster(1, 2, processes=True, output=None, shard_args=[
         "--checkpoint-dir", str(directory), "--checkpoint-every", "2",
-        "--on-worker-failure", policy, "--worker-timeout", "1.5"])
+        "--on-worker-failure", policy, "--worker-timeout", worker_timeout])
 
 
 def _clients(cluster):
@@ -67,13 +67,16 @@ def _close_all(clients):
         client.close()
 
 
-@pytest.mark.parametrize("policy", ["stop", "continue"])
-def test_a_worker_that_left_keeps_its_updates(tmp_path, policy):
+@pytest.mark.parametrize("policy,worker_timeout", [
+    ("stop", "1.5"), ("continue", "1.5"), ("stop", "0")])
+def test_a_worker_that_left_keeps_its_updates(tmp_path, policy,
+                                              worker_timeout):
     """Worker 1 finishes clock 3 (past the clock-2 checkpoint) and leaves;
     its close returns once a checkpoint at 3 is on disk, so a restore
     keeps its clock-2 update and the job neither stops blaming it nor
-    drops it."""
-    cluster = _cluster(tmp_path, policy)
+    drops it. Also where the shard watches for no silent workers
+    (--worker-timeout 0): the LEAVE is for the checkpoint all the same."""
+    cluster = _cluster(tmp_path, policy, worker_timeout)
     try:
         clients, tables = _clients(cluster)
         for _ in range(3):
