@@ -249,7 +249,12 @@ def read_meta(path):
     """
     try:
         with open(path, "rb") as f, _archive(path, f) as archive:
-            return json.loads(archive["meta"].tobytes().decode())
+            meta = json.loads(archive["meta"].tobytes().decode())
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path}: its meta is a JSON "
+                                  f"{type(meta).__name__}, not the object "
+                                  f"a checkpoint holds")
+        return meta
     except CheckpointError:
         raise
     except Exception as exc:  # zip/npz/JSON errors of many kinds
@@ -350,8 +355,15 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False,
 def _clocks_of(path):
     """{table id: (spec, clock)} from a checkpoint's meta (no rows read)."""
     try:
-        return {int(tid): (entry["spec"], entry["clock"])
-                for tid, entry in read_meta(path)["tables"].items()}
+        clocks = {int(tid): (entry["spec"], entry["clock"])
+                  for tid, entry in read_meta(path)["tables"].items()}
+        for spec, clock in clocks.values():
+            if not all(isinstance(value, int) and not isinstance(value, bool)
+                       for value in (clock, spec["rows"], spec["row_start"],
+                                     spec["row_end"])):
+                raise TypeError(f"table {spec.get('name')!r}: its clock "
+                                f"and row range are not ints")
+        return clocks
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"{path}: its meta lists no tables as a "
                               f"checkpoint's does ({exc!r})") from None
@@ -371,6 +383,27 @@ def table_clocks(directory, num_shards):
             for tid, (_, clock) in _clocks_of(path).items():
                 clocks.setdefault(tid, {})[shard] = clock
     return clocks
+
+
+def _picks_at(tid, target, latest, older):
+    """{shard: whether from its older file} of the snapshots of table `tid`
+    at clock `target` that together cover its rows, one per shard that
+    holds a part of it; None where some part is at no such clock."""
+    rows = next(tables[tid][0]["rows"] for tables in latest
+                if tid in tables)
+    picks, covered = {}, 0
+    for shard in range(len(latest)):
+        for from_older, tables in ((False, latest[shard]),
+                                   (True, older[shard])):
+            spec, clock = tables.get(tid, (None, None))
+            if clock == target:
+                picks[shard] = from_older
+                covered += spec["row_end"] - spec["row_start"]
+                break
+    if covered != rows or any(tid in latest[s] and s not in picks
+                              for s in range(len(latest))):
+        return None
+    return picks
 
 
 def align_job(directory, num_shards, num_workers):
@@ -418,25 +451,20 @@ def align_job(directory, num_shards, num_workers):
     chosen = [{} for _ in range(num_shards)]
     result = {}
     for tid in sorted({tid for tables in latest for tid in tables}):
-        target = min(tables[tid][1] for tables in latest if tid in tables)
-        rows = next(tables[tid][0]["rows"] for tables in latest
-                    if tid in tables)
-        picks, covered = {}, 0
-        for shard in range(num_shards):
-            for from_older, tables in ((False, latest[shard]),
-                                       (True, older[shard])):
-                spec, clock = tables.get(tid, (None, None))
-                if clock == target:
-                    picks[shard] = from_older
-                    covered += spec["row_end"] - spec["row_start"]
-                    break
-        if covered != rows or any(tid in latest[s] and s not in picks
-                                  for s in range(num_shards)):
-            result[tid] = None
-            continue
-        result[tid] = target
-        for shard, from_older in picks.items():
-            chosen[shard][tid] = from_older
+        # The latest clock every shard of the table holds: at most the
+        # least of their latest, and perhaps only an older one.
+        ceiling = min(tables[tid][1] for tables in latest if tid in tables)
+        candidates = sorted({tables[tid][1] for tables in latest + older
+                             if tid in tables and tables[tid][1] <= ceiling},
+                            reverse=True)
+        result[tid] = None
+        for target in candidates:
+            picks = _picks_at(tid, target, latest, older)
+            if picks is not None:
+                result[tid] = target
+                for shard, from_older in picks.items():
+                    chosen[shard][tid] = from_older
+                break
     for shard in range(num_shards):
         if set(chosen[shard]) == set(latest[shard]) and \
                 not any(chosen[shard].values()):

@@ -2,6 +2,7 @@
 checkpoint each write replaces kept as the older one, and a worker that
 refuses shards restored at different clocks."""
 
+import json
 import os
 import time
 
@@ -66,6 +67,40 @@ def test_align_takes_each_table_to_the_clock_all_its_shards_hold(tmp_path):
     os.unlink(checkpoint.checkpoint_path(directory, 1, 2))
     with pytest.raises(checkpoint.CheckpointError, match="shard 1/2"):
         checkpoint.align_job(directory, 2, 3)
+
+
+def test_align_finds_a_common_clock_below_the_least_latest(tmp_path):
+    """Shard 0 is at 7 (older 5), shard 1 at 8 (older 5): neither holds
+    7, but both hold 5, which the table is taken to, not dropped."""
+    directory = str(tmp_path)
+    for shard, clocks in ((0, (5, 7)), (1, (5, 8))):
+        for clock in clocks:
+            checkpoint.write(directory, shard, 2, 1, {0: (
+                spec("a", 4, 2 * shard, 2 * shard + 2), clock,
+                rows_of(clock, 2))})
+    assert checkpoint.align_job(directory, 2, 1) == {0: 5}
+    for shard in (0, 1):
+        tables = checkpoint.load(directory, shard, 2, 1)
+        assert tables[0][1] == 5
+        np.testing.assert_array_equal(tables[0][2], rows_of(5, 2))
+
+
+@pytest.mark.parametrize("meta", [
+    [1, 2], "text", {"tables": []},
+    {"tables": {"0": {"spec": {"name": "t"}, "clock": 3}}},
+    {"tables": {"0": {"spec": spec("t", 2, 0, 2), "clock": "3"}}}])
+def test_a_foreign_meta_is_a_checkpoint_error_naming_the_file(tmp_path,
+                                                              meta):
+    path = checkpoint.checkpoint_path(str(tmp_path), 0, 1)
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
+    for call in (lambda: checkpoint.align_job(str(tmp_path), 1, 1),
+                 lambda: checkpoint.table_clocks(str(tmp_path), 1)):
+        with pytest.raises(checkpoint.CheckpointError, match=path):
+            call()
+    # A shard started there without --restore keeps it aside, unread.
+    CheckpointWriter(str(tmp_path), 0, 1, 1).write_empty()
+    assert os.path.exists(path + ".previous")
 
 
 def test_align_checkpoints_command(tmp_path, capsys):

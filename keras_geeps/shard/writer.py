@@ -232,10 +232,10 @@ class CheckpointWriter:
 
 
 def _holds_tables(path):
-    """Whether the checkpoint at `path` holds a table (an unreadable one
-    counts as holding some: it is kept, not overwritten)."""
+    """Whether the checkpoint at `path` holds a table (an unreadable or
+    foreign one counts as holding some: it is kept, not overwritten)."""
     try:
-        return bool(checkpoint.read_meta(path).get("tables", True))
+        return checkpoint.read_meta(path).get("tables") != {}
     except checkpoint.CheckpointError:
         return True
 
