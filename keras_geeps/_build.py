@@ -252,15 +252,18 @@ def _compile_and_link(src_root, out_dir, cuda):
         for future in [pool.submit(_run, c, out_dir) for c in commands]:
             future.result()
     link = [*cxx, "-shared", "-o", str(out_dir / LIBRARY_NAME),
-            *map(str, objects), *tf.sysconfig.get_link_flags()]
+            *map(str, objects)]
     cuda_version = None
     if cuda:
         cudart, cuda_version = _cuda_runtime(find_nvcc())
         # The CUDA runtime linked in statically, its symbols hidden, so the
-        # library loads where no CUDA runtime is installed.
+        # library loads where no CUDA runtime is installed and its kernels
+        # run on the runtime they were compiled for. Before TensorFlow's
+        # library: that one exports a CUDA runtime stub of its own version,
+        # which would otherwise satisfy every cuda* symbol first.
         link += [str(cudart), "-ldl", "-lrt", "-lpthread",
                  "-Wl,--exclude-libs,ALL"]
-    link.append("-Wl,--no-undefined")
+    link += [*tf.sysconfig.get_link_flags(), "-Wl,--no-undefined"]
     _run(link, out_dir)
     for obj in objects:
         obj.unlink()

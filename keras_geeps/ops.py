@@ -411,6 +411,7 @@ def pack_delta_into(variables, layout, snapshot, out, scale=1.0):
             raise ValueError(f"pack_delta_into takes CPU variables; "
                              f"{variable.name} is on {variable.device}")
         resource_variable_ops.variable_accessed(variable)
+    _check_out(out, layout, "pack_delta_into")
     snapshot = tf.convert_to_tensor(snapshot, dtype=layout.dtype)
     _gen.geeps_pack_delta_into([r.handle for r in resources], snapshot, out,
                                sizes=list(layout.sizes), scale=float(scale))
@@ -458,6 +459,7 @@ def pack_tensors_into(values, layout, out, scales, base=None):
     if not tf.executing_eagerly():
         raise ValueError("pack_tensors_into writes caller memory: call it "
                          "eagerly (e.g. inside tf.py_function)")
+    _check_out(out, layout, "pack_tensors_into")
     values = [tf.convert_to_tensor(v, dtype=layout.dtype) for v in values]
     for value in values:
         if "CPU" not in value.device.upper():
@@ -470,6 +472,25 @@ def pack_tensors_into(values, layout, out, scales, base=None):
     base = tf.convert_to_tensor(base, dtype=layout.dtype)
     _gen.geeps_pack_tensors_onto_base_into(values, scales, base, out,
                                            sizes=list(layout.sizes))
+
+
+def _check_out(out, layout, name):
+    """Raises unless `out` is a CPU tensor of the layout's dtype: anything
+    else (a numpy array, another dtype, a GPU tensor) would be converted to
+    a copy, which the op would write instead of the caller's memory."""
+    if not isinstance(out, tf.Tensor):
+        raise TypeError(
+            f"{name}: out must be a tf.Tensor that aliases the destination, "
+            f"not a {type(out).__name__} (TensorFlow would write a copy of "
+            f"it): wrap a numpy array as "
+            f"tf.experimental.dlpack.from_dlpack(array.__dlpack__())")
+    if out.dtype != layout.dtype:
+        raise TypeError(f"{name}: out is {out.dtype.name}, the layout "
+                        f"{layout.dtype.name} (a conversion would write a "
+                        f"copy)")
+    if "CPU" not in out.device.upper():
+        raise ValueError(f"{name}: out must be in host memory; it is on "
+                         f"{out.device}")
 
 
 def _pack_grad(op, grad, resources, delta):

@@ -592,6 +592,14 @@ def test_cuda_build_loads_and_runs_cpu_kernels_without_a_gpu():
     path = _build.build(cuda=True)
     info = _build.build_info(path)
     assert info["cuda"] is True and info["cuda_version"]
+    # Its kernels use the CUDA runtime linked into it, of the version they
+    # were compiled for, not the runtime stub TensorFlow's library exports
+    # (another CUDA version): no cuda* symbol is left for that one.
+    nm = subprocess.run(["nm", "-D", "--undefined-only", path],
+                        capture_output=True, text=True, check=True)
+    undefined = [line.split()[-1] for line in nm.stdout.splitlines()]
+    assert not [s for s in undefined if s.lstrip("_").startswith("cuda")], \
+        undefined
     proc = _python(
         "import numpy as np, tensorflow as tf\n"
         "from keras_geeps import _build, ops\n"
@@ -638,6 +646,22 @@ def test_pack_delta_into_refuses_bad_calls():
     with pytest.raises(ValueError, match="eagerly"):
         tf.function(lambda: ops.pack_delta_into(
             variables, layout, snapshot, tf.zeros([7])))()
+    # An `out` TensorFlow would convert is a copy the op would write, the
+    # caller's memory left as it was (a numpy array not 64-byte aligned,
+    # another dtype): refused.
+    target = np.zeros(8, np.float32)[1:]
+    with pytest.raises(TypeError, match="__dlpack__"):
+        ops.pack_delta_into(variables, layout, snapshot, target)
+    with pytest.raises(TypeError, match="out is float64"):
+        ops.pack_delta_into(variables, layout, snapshot,
+                            tf.zeros([7], tf.float64))
+    values = [tf.ones([2, 2]), tf.ones([3])]
+    with pytest.raises(TypeError, match="__dlpack__"):
+        ops.pack_tensors_into(values, layout, target, [1.0, 1.0])
+    with pytest.raises(TypeError, match="out is float64"):
+        ops.pack_tensors_into(values, layout, tf.zeros([7], tf.float64),
+                              [1.0, 1.0])
+    assert not target.any()
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.25, 1 / 3])
