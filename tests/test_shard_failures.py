@@ -637,14 +637,17 @@ def test_a_pooled_buffer_dropped_to_make_room_is_not_counted_as_reused():
         server._close()
 
 
+@pytest.mark.parametrize("every", [1, 0])
 def test_a_checkpointing_shard_keeps_room_for_the_snapshot_too(
-        servers, tmp_path):
+        servers, tmp_path, every):
     """With checkpoint_every the clock-0 snapshot copy takes a table's
     size at once: a table accepted with room for its rows and one clock's
     updates only then could never take an update. It is refused; one with
-    room for the three takes its updates."""
+    room for the three takes its updates. The same with a checkpoint
+    folder only: a checkpoint request (anyone's, `keras-geeps
+    checkpoint`) leaves a snapshot kept from then on."""
     server = servers(num_workers=1, max_table_bytes=1000,
-                     checkpoint_dir=str(tmp_path), checkpoint_every=1)
+                     checkpoint_dir=str(tmp_path), checkpoint_every=every)
     peer = servers.peer(server, 0)
     reply = peer.ask(MsgType.CREATE, table=0,
                      arrays=[np.zeros((25, 4), np.float32)],  # 400 bytes
@@ -653,10 +656,14 @@ def test_a_checkpointing_shard_keeps_room_for_the_snapshot_too(
     assert "3 times that with a clock's updates and its snapshot" in \
         reply.meta["error"]
     _create(peer, 20, 4)  # 320 bytes
-    peer.send(peer.message(MsgType.UPDATE, table=0, clk=0,
-                           arrays=[np.ones((20, 4), np.float32)]))
-    assert peer.ask_past_pushes(MsgType.CLOCK, table=0, clk=0).type == \
-        MsgType.ACK
+    for clk in range(2):
+        peer.send(peer.message(MsgType.UPDATE, table=0, clk=clk,
+                               arrays=[np.ones((20, 4), np.float32)]))
+        assert peer.ask_past_pushes(MsgType.CLOCK, table=0,
+                                    clk=clk).type == MsgType.ACK
+        if clk == 0:
+            assert peer.ask_past_pushes(MsgType.CHECKPOINT).type == \
+                MsgType.ACK
     assert server.snapshot_stats()["errors"] == 1  # the first CREATE only
 
 

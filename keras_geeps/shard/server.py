@@ -903,7 +903,7 @@ class ShardServer:
             raise RequestError(problem)
         nbytes, room = self._table_room(spec)
         if not self._room_for(room):
-            copies = 3 if self.settings.checkpoint_every else 2
+            copies = self._table_copies()
             snapshot = " and its snapshot" if copies == 3 else ""
             raise RequestError(f"table {message.table} of {nbytes} bytes "
                                f"({copies} times that with a clock's "
@@ -927,13 +927,19 @@ class ShardServer:
 
     def _table_room(self, spec):
         """(bytes of the table's rows here, bytes it needs): its rows + a
-        clock's updates (+ the snapshot a checkpointing shard takes of it
-        at once), and the written flags of its rows and of that clock's."""
+        clock's updates (+ the snapshot a checkpointing shard takes of it),
+        and the written flags of its rows and of that clock's."""
         rows = spec["row_end"] - spec["row_start"]
         nbytes = rows * spec["width"] * protocol.numpy_dtype(
             spec["dtype"]).itemsize
-        copies = 3 if self.settings.checkpoint_every else 2
-        return nbytes, copies * nbytes + 2 * rows
+        return nbytes, self._table_copies() * nbytes + 2 * rows
+
+    def _table_copies(self):
+        """Copies of a table's rows a table is admitted with room for: the
+        rows and a clock's updates, and on a shard with a checkpoint folder
+        the snapshot it keeps once it took one (every K clocks, or at a
+        checkpoint request or a LEAVE, even without K)."""
+        return 3 if self.settings.checkpoint_dir else 2
 
     def _restore_limits(self, specs):
         """What of a checkpoint's tables ({id: spec}) is beyond this
