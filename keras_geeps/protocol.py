@@ -17,6 +17,7 @@ of the wrong version or too large.
 
 import enum
 import json
+import reprlib
 
 import msgpack
 import numpy as np
@@ -31,6 +32,9 @@ MAX_FRAMES = 4096
 MAX_MESSAGE_BYTES = 1 << 31
 MAX_DIM = 1 << 40
 MAX_META_ITEMS = 64
+# Lists and maps in a header nest at most this deep (a frame's shape is
+# at 4): deeper ones are refused before anything walks them recursively.
+MAX_HEADER_NESTING = 8
 
 # Row data is split into frames of about this many bytes: ZeroMQ streams
 # 1-4 MB frames far faster than one huge frame, and the receiver can
@@ -316,10 +320,11 @@ def decode(frames, max_message_bytes=MAX_MESSAGE_BYTES):
     """
     if not frames:
         raise ProtocolError("empty message: no header frame")
-    raw_header = _frame_bytes(frames[0])
-    if len(raw_header) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(raw_header)} bytes exceeds the "
+    size = frame_view(frames[0]).nbytes  # (checked before any copy)
+    if size > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {size} bytes exceeds the "
                             f"limit of {MAX_HEADER_BYTES}")
+    raw_header = _frame_bytes(frames[0])
     try:
         header = msgpack.unpackb(
             raw_header, raw=False, strict_map_key=True, use_list=True,
@@ -331,6 +336,9 @@ def decode(frames, max_message_bytes=MAX_MESSAGE_BYTES):
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got "
                             f"{type(header).__name__}")
+    if _nesting(header) > MAX_HEADER_NESTING:
+        raise ProtocolError(f"header nests lists and maps more than "
+                            f"{MAX_HEADER_NESTING} deep")
     if set(header) != set(_HEADER_FIELDS):
         missing = sorted(set(_HEADER_FIELDS) - set(header))
         extra = sorted(map(str, set(header) - set(_HEADER_FIELDS)))
@@ -389,6 +397,25 @@ def decode(frames, max_message_bytes=MAX_MESSAGE_BYTES):
                    header["seq"], arrays, header["meta"])
 
 
+def _nesting(value):
+    """How deep lists and maps nest in `value` (walked without recursion:
+    a hostile header may nest a thousand deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children = value.values()
+        elif isinstance(value, list):
+            children = value
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_HEADER_NESTING:
+            break
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _check_int(key, value):
     if not isinstance(value, int) or isinstance(value, bool):
         raise ProtocolError(f"field {key!r} must be an integer, got "
@@ -421,14 +448,15 @@ def _check_frame_spec(index, entry):
             or not isinstance(entry[0], str)
             or not isinstance(entry[1], list)):
         raise ProtocolError(f"frame {index}: spec must be [dtype, shape], got "
-                            f"{entry!r:.80}")
+                            f"{reprlib.repr(entry):.80}")
     dtype = numpy_dtype(entry[0])
     shape = entry[1]
     if len(shape) > 8:
         raise ProtocolError(f"frame {index}: rank {len(shape)} exceeds 8")
     for dim in shape:
         if not isinstance(dim, int) or isinstance(dim, bool):
-            raise ProtocolError(f"frame {index}: shape {shape!r:.80} must "
+            raise ProtocolError(f"frame {index}: shape "
+                                f"{reprlib.repr(shape):.80} must "
                                 f"hold integers")
         if not 0 <= dim <= MAX_DIM:
             raise ProtocolError(f"frame {index}: dimension {dim} is out of "
@@ -548,7 +576,7 @@ def stats_of(message):
     """
     try:
         stats = json.loads(message.arrays[0].tobytes())
-    except (IndexError, ValueError) as exc:
+    except (IndexError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"STATS_REPLY: its frame is not JSON ({exc})"
                             ) from None
     if not isinstance(stats, dict):

@@ -47,6 +47,7 @@ import itertools
 import logging
 import mmap
 import os
+import reprlib
 import stat
 import threading
 import weakref
@@ -343,7 +344,8 @@ class PeerBuffers:
                 and all(isinstance(v, int) and not isinstance(v, bool)
                         for v in ref)):
             raise ValueError(f"a shared-memory reference is [buffer, fd, "
-                             f"offset, nbytes], got {ref!r:.80}")
+                             f"offset, nbytes], got "
+                             f"{reprlib.repr(ref):.80}")
         buffer_id, fd, offset, nbytes = ref
         if buffer_id < 1 or fd < 0 or offset < 0 or nbytes < 0:
             raise ValueError(f"bad shared-memory reference {ref}")

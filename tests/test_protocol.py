@@ -122,6 +122,29 @@ def test_bad_fields_are_named(change, pattern):
         protocol.decode(_with_header(_good(), **change))
 
 
+def test_a_deeply_nested_header_is_refused_as_a_protocol_error():
+    """Hundreds of lists deep fit in a kilobyte of msgpack; describing
+    them in the error (repr) raised RecursionError, not the ProtocolError
+    a receiver catches."""
+    # (msgpack packs 512 deep at most: the rest is spliced in as bytes)
+    deep = b"\x91" * 1000 + b"\x90"  # a list of a list of ... of []
+    marker = msgpack.packb("DEEP")
+    for change in ({"frames": ["DEEP"]}, {"frames": [["float32", "DEEP"]]},
+                   {"meta": {"ref": "DEEP"}}):
+        frames = _with_header(_good(), **change)
+        frames[0] = frames[0].replace(marker, deep)
+        with pytest.raises(ProtocolError, match="nests lists and maps"):
+            protocol.decode(frames)
+    # A nesting just within the limit is judged by its fields.
+    with pytest.raises(ProtocolError, match="spec must be"):
+        protocol.decode(_with_header(_good(), frames=[[[[[[1]]]]]]))
+    with pytest.raises(ProtocolError, match="header of 65537 bytes"):
+        protocol.decode([b"x" * 65537])
+    with pytest.raises(ProtocolError, match="not JSON"):
+        protocol.stats_of(Message(MsgType.STATS_REPLY, arrays=[
+            np.frombuffer(b"[" * 100000, np.uint8)]))
+
+
 def test_header_not_a_map_and_missing_fields():
     with pytest.raises(ProtocolError, match="must be a map"):
         protocol.decode([msgpack.packb([1, 2, 3])])
