@@ -188,8 +188,9 @@ def test_resent_update_is_applied_once(shard, peer):
 
 
 def test_indexed_update_with_duplicates(peer):
-    index = np.array([3, 1, 3], np.int64)
-    rows = np.arange(9, dtype=np.float32).reshape(3, 3)
+    # More entries than the table's 4 rows: repeated ids add up.
+    index = np.array([3, 1, 3, 0, 3, 1], np.int64)
+    rows = np.arange(18, dtype=np.float32).reshape(6, 3)
     peer.send(peer.message(MsgType.UPDATE, table=0, clk=0,
                            arrays=[index, rows], meta={"indexed": True}))
     # Reads see exactly the finished clocks: nothing until clock 0 ends.

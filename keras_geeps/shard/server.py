@@ -1128,6 +1128,9 @@ class ShardServer:
                 self._refuse(identity, message, str(exc), exc.code)
 
     def _check_rows(self, table, array, row):
+        """Refuses rows of another dtype or width, or (at local row `row`;
+        None for an indexed update's, whose repeated ids add up) past the
+        shard's rows."""
         if array.dtype != table.dtype:
             raise RequestError(f"table {table.id}: rows of dtype "
                                f"{array.dtype.name}, table holds "
@@ -1136,7 +1139,8 @@ class ShardServer:
             raise RequestError(f"table {table.id}: rows of shape "
                                f"{list(array.shape)}, table width is "
                                f"{table.width}")
-        if not 0 <= row <= row + array.shape[0] <= table.local_rows:
+        if row is not None and \
+                not 0 <= row <= row + array.shape[0] <= table.local_rows:
             raise RequestError(f"table {table.id}: rows [{row}, "
                                f"{row + array.shape[0]}) are outside this "
                                f"shard's {table.local_rows} rows")
@@ -1159,7 +1163,7 @@ class ShardServer:
             index, rows = arrays
             if index.ndim != 1 or index.dtype != np.int64:
                 raise RequestError("update indices must be a 1-D int64 frame")
-            self._check_rows(table, rows, 0)
+            self._check_rows(table, rows, None)
             if rows.shape[0] != index.shape[0]:
                 raise RequestError(f"{index.shape[0]} indices for "
                                    f"{rows.shape[0]} rows")
