@@ -158,7 +158,9 @@ def test_the_updates_are_order_sensitive_without_the_setting():
 
 def test_held_updates_count_against_the_memory_limit():
     """Updates waiting for their turn are memory the shard holds: past
-    max_table_bytes they are refused with an error, not kept."""
+    max_table_bytes they are refused with an error, not kept, and the
+    clock they belong to cannot complete without them: that worker's
+    CLOCK stops the job."""
     table_bytes = SHAPE[0] * SHAPE[1] * 4
     settings = ShardSettings(deterministic_sums=True,
                              max_table_bytes=6 * table_bytes)
@@ -177,12 +179,13 @@ def test_held_updates_count_against_the_memory_limit():
         held = stats["tables"]["0"]["held_updates"]
         assert 1 <= held and held + len(errors) == 10
         assert stats["held_bytes"] <= settings.max_table_bytes
-        # What was held goes in once worker 0 is done with the clock.
         assert peers[0].ask_past_pushes(MsgType.CLOCK, table=0,
                                         clk=0).type == MsgType.ACK
-        assert late.ask(MsgType.CLOCK, table=0, clk=0).type == MsgType.ACK
-        reply = late.ask_past_pushes(MsgType.READ, table=0, clk=1)
-        np.testing.assert_array_equal(reply.arrays[0], np.full(SHAPE, held))
+        reply = late.ask(MsgType.CLOCK, table=0, clk=0)
+        assert reply.type == MsgType.ERROR
+        assert "refused an update of its clock 0 for lack of memory" in \
+            reply.meta["error"]
+        assert server.snapshot_stats()["tables"]["0"]["global_clock"] == 0
 
 
 def test_a_held_update_reserves_its_clocks_rows_buffer():

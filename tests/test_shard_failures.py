@@ -69,6 +69,14 @@ def _two_workers_one_table(servers, server):
     return first, other
 
 
+def _past_pushes(peer):
+    """The next message `peer` gets that is not a subscribed table's PUSH."""
+    while True:
+        message = peer.recv()
+        if message.type != MsgType.PUSH:
+            return message
+
+
 def _restarted_worker0(server):
     """A new process of worker 0 that said HELLO and was welcomed."""
     again = RawPeer(server.address, 0)
@@ -584,6 +592,37 @@ def test_a_table_that_could_take_no_update_is_refused(servers):
         MsgType.ACK
 
 
+@pytest.mark.parametrize("policy", ["stop", "continue"])
+def test_a_clock_whose_update_was_refused_stops_the_job(servers, policy):
+    """Worker 0 runs a clock ahead; its clock-1 update finds no room (a
+    second pending clock) and is refused. Its CLOCK of 1 used to be taken
+    all the same, completing clock 1 without the update once worker 1
+    got there: lost without a word. Now that CLOCK stops the job, and
+    every worker is told why."""
+    # 4 x 2 float32: rows 32 bytes, a clock's updates 32 + 4 flags; room
+    # for the rows and one pending clock, not two.
+    server = servers(num_workers=2, max_table_bytes=80,
+                     on_worker_failure=policy)
+    first, other = _two_workers_one_table(servers, server)
+    ones = np.ones((4, 2), np.float32)
+    for clk in range(2):
+        first.send(first.message(MsgType.UPDATE, table=0, clk=clk,
+                                 arrays=[ones]))
+        if clk == 1:
+            refused = _past_pushes(first)
+            assert refused.type == MsgType.ERROR
+            assert "no memory for clock 1" in refused.meta["error"]
+        reply = first.ask_past_pushes(MsgType.CLOCK, table=0, clk=clk)
+    assert reply.type == MsgType.ERROR, reply
+    error = ("worker 0 finished clock 1 of table 't', but this shard "
+             "refused an update of its clock 1 for lack of memory")
+    assert error in reply.meta["error"]
+    told = _past_pushes(other)
+    assert told.type == MsgType.ERROR and error in told.meta["error"]
+    assert error in server.snapshot_stats()["failed"]
+    assert server.snapshot_stats()["tables"]["0"]["vclock"] == [1, 0]
+
+
 def test_written_flags_of_pending_clocks_count_against_the_limit(servers):
     """Each pending clock keeps a written flag per row (a byte): with
     uint8 rows of width 1 that doubles what a clock holds. They went
@@ -888,16 +927,22 @@ def test_checkpoint_requests_are_bounded_and_copy_within_the_limit(
     most MAX_CHECKPOINT_REQUESTS wait for the writer; each is answered."""
     rows, width = 64, 64
     nbytes = rows * width * 4
+    # Room for a table's rows, a clock's updates and its snapshot.
+    room = 3 * nbytes + 2 * rows
     server = servers(num_workers=1, checkpoint_dir=str(tmp_path),
-                     max_table_bytes=3 * nbytes)
+                     max_table_bytes=room)
     peer = servers.peer(server, 0)
     _create(peer, rows, width)
-    tiny = servers.peer(servers(num_workers=1, checkpoint_dir=str(
-        tmp_path / "tiny"), max_table_bytes=2 * nbytes + 2 * rows), 0)
-    _create(tiny, rows, width)  # room for its rows and one clock only,
-    tiny.send(tiny.message(MsgType.UPDATE, table=0, clk=0, arrays=[
-        np.ones((rows, width), np.float32)]))  # which this clock takes
-    reply = tiny.ask(MsgType.CHECKPOINT)
+    tiny = servers.peer(servers(num_workers=2, checkpoint_dir=str(
+        tmp_path / "tiny"), max_table_bytes=room), 0)
+    _create(tiny, rows, width)
+    for clk in range(2):  # worker 1 never clocks: two clocks pending take
+        tiny.send(tiny.message(MsgType.UPDATE, table=0, clk=clk, arrays=[
+            np.ones((rows, width), np.float32)]))  # the snapshot's room
+        if clk == 0:
+            assert tiny.ask_past_pushes(MsgType.CLOCK, table=0,
+                                        clk=0).type == MsgType.ACK
+    reply = tiny.ask_past_pushes(MsgType.CHECKPOINT)
     assert reply.type == MsgType.ERROR
     assert "no memory to snapshot" in reply.meta["error"]
 

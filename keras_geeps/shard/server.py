@@ -16,7 +16,8 @@ from keras_geeps import checkpoint, protocol, seal, shm
 from keras_geeps.checks import check_count, check_index
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 from keras_geeps.shard.sessions import SeqTracker, Session, user_id
-from keras_geeps.shard.settings import RequestError, ShardSettings
+from keras_geeps.shard.settings import NoRoomError, RequestError, \
+    ShardSettings
 from keras_geeps.shard.tables import BufferPool, Pending, Table, Update
 from keras_geeps.shard.writer import CheckpointWriter
 
@@ -1190,6 +1191,25 @@ class ShardServer:
         update = Update(worker, message.meta.get("chunk_row", 0),
                         [rows] if indexed else arrays,
                         index if indexed else None)
+        try:
+            self._add_update(table, worker, clk, update, arrays)
+        except NoRoomError:
+            # The worker's CLOCK of it must not complete the clock without
+            # it (`_clock`): the update would be lost without a word.
+            table.refused.setdefault(worker, clk)
+            raise
+        # No ACK per update: requests are handled in order, so the ACK of
+        # the CLOCK that follows acknowledges every update before it.
+        table.updated[worker] = clk
+        self.stats["updates_applied"] += 1
+
+    def _add_update(self, table, worker, clk, update, arrays):
+        """Adds a checked update to its clock's sum, or holds it for its
+        turn (deterministic_sums).
+
+        Raises:
+            NoRoomError: no memory for it within max_table_bytes.
+        """
         if self.settings.deterministic_sums and \
                 not self._in_turn(table, worker, clk):
             update.arrays = self._rows_to_hold(update.arrays)
@@ -1205,16 +1225,12 @@ class ShardServer:
                 pending.add_sealed(update.row, arrays[0], self._unopened)
             else:
                 update.add_to(pending)
-        # No ACK per update: requests are handled in order, so the ACK of
-        # the CLOCK that follows acknowledges every update before it.
-        table.updated[worker] = clk
-        self.stats["updates_applied"] += 1
 
     def _check_room(self, table, clk, nbytes, reuse=None):
         """Raises RequestError unless `nbytes` more for clock `clk` of
         `table` fit within max_table_bytes (`reuse`: `_room_for`'s)."""
         if not self._room_for(nbytes, reuse):
-            raise RequestError(
+            raise NoRoomError(
                 f"no memory for clock {clk} updates of table {table.id} "
                 f"(max_table_bytes={self.settings.max_table_bytes}, "
                 f"{self._held_bytes()} bytes held, "
@@ -1361,6 +1377,16 @@ class ShardServer:
             raise RequestError(f"clock of unknown table {message.table}")
         worker, clk = message.worker, message.clk
         self._check_clock(table, worker, clk, _CLOCK_OFF_CLOCK)
+        refused = table.refused.get(worker)
+        if refused is not None and refused <= clk:
+            error = (f"worker {worker} finished clock {clk} of table "
+                     f"{table.spec['name']!r}, but this shard refused an "
+                     f"update of its clock {refused} for lack of memory "
+                     f"(max_table_bytes={self.settings.max_table_bytes}): "
+                     f"the clock cannot complete without it; raise "
+                     f"--max-table-bytes; the job stops")
+            self._fail_job(error)
+            raise RequestError(self._failed, protocol.ERROR_WORKER_DEAD)
         table.vclock[worker] = clk + 1
         self._send(identity, Message(MsgType.ACK, table=table.id,
                                      seq=message.seq))
@@ -1702,17 +1728,23 @@ class ShardServer:
                 f"worker_timeout); the job went on without it: restart it "
                 f"to rejoin")
 
+    def _fail_job(self, error, but=None):
+        """Stops the job: every request gets `error` from now on, and each
+        worker (`but` that one) is told at once."""
+        self._failed = error
+        log.error("shard %d: %s", self.shard_id, self._failed)
+        for other, identity in self._identities.items():
+            if other != but:
+                self._send(identity, Message(MsgType.ERROR, meta={
+                    "error": self._failed,
+                    "code": protocol.ERROR_WORKER_DEAD}))
+
     def _worker_died(self, worker, error, left=False):
         """Stops the job, or goes on without `worker` (on_worker_failure);
         one that `left` is not refused when it comes back."""
         if self.settings.on_worker_failure == "stop":
-            self._failed = error + "; the job stops (on_worker_failure=stop)"
-            log.error("shard %d: %s", self.shard_id, self._failed)
-            for other, identity in self._identities.items():
-                if other != worker:
-                    self._send(identity, Message(MsgType.ERROR, meta={
-                        "error": self._failed,
-                        "code": protocol.ERROR_WORKER_DEAD}))
+            self._fail_job(error + "; the job stops (on_worker_failure="
+                           "stop)", but=worker)
             return
         log.warning("shard %d: %s; continuing without it", self.shard_id,
                     error)
@@ -1833,6 +1865,7 @@ class ShardServer:
         self._dead.discard(worker)
         for table in self._tables.values():
             table.vclock[worker] = table.global_clock
+            table.refused.pop(worker, None)
         # Its new process replays nothing before these clocks.
         self._snapshot_clocks_of(worker)
         clock = self._job_clock()

@@ -131,3 +131,7 @@ class RequestError(Exception):
     def __init__(self, message, code=None):
         super().__init__(message)
         self.code = code
+
+
+class NoRoomError(RequestError):
+    """A request refused for lack of memory within max_table_bytes."""

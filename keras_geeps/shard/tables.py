@@ -36,6 +36,9 @@ class Table:
         self.global_clock = 0
         self.pending = {}  # clock >= global_clock -> Pending
         self.held = {}  # clock -> [Update] (deterministic_sums)
+        # worker -> the first clock of which an update was refused for lack
+        # of memory: that worker's clock of it can never be complete
+        self.refused = {}
         self.subscribers = set()
         self.snapshot = None      # (clock, rows) taken for the next write
         # Clocks past K's multiples to snapshot at too: where a worker
