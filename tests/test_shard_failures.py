@@ -533,6 +533,46 @@ def test_replies_a_peer_never_reads_are_bounded(servers):
         deaf.close()
 
 
+def test_refusals_to_a_stranger_that_never_reads_are_bounded(servers,
+                                                             caplog):
+    """A peer that said no HELLO sends one-byte garbage and reads nothing:
+    each got an ERROR queued for it and a warning line, without bound
+    (400,000 messages: +97 MB and a 47 MB log). Past MAX_UNSENT_ERRORS
+    waiting its refusals go unanswered (counted in STATS), and at most
+    REFUSAL_LOG_LINES lines are logged per 10 s, the next one saying how
+    many were not."""
+    server = servers(num_workers=1)
+    worker = servers.peer(server, 0)
+    stranger = RawPeer(server.address, 0, options=[(zmq.RCVHWM, 1),
+                                                   (zmq.RCVBUF, 4096)])
+    sent = 100_000
+    try:
+        with caplog.at_level("WARNING", logger="keras_geeps.shard"):
+            for _ in range(sent):
+                stranger.socket.send(b"\xc1")  # never valid msgpack
+            deadline = time.monotonic() + 120
+            while server.snapshot_stats()["messages_in"] < sent + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        stats = server.snapshot_stats()
+        assert stats["errors"] == sent and stats["internal_errors"] == 0
+        # (what the kernel's socket buffers took went out: the rest not)
+        assert stats["errors_unanswered"] >= sent // 4, stats
+        lines = [r.getMessage() for r in caplog.records
+                 if "refused a request" in r.getMessage()]
+        assert len(lines) <= 13 * shard_module.REFUSAL_LOG_LINES, len(lines)
+        assert any("similar lines not logged" in line for line in lines) \
+            or len(lines) == shard_module.REFUSAL_LOG_LINES
+        # A worker is answered all the while, refusals included.
+        refused = worker.ask(MsgType.UPDATE, table=7, clk=0,
+                             arrays=[np.ones((1, 1), np.float32)])
+        assert "not created" in refused.meta["error"]
+        got = stranger.drain(1000)
+        assert len(got) == sent - stats["errors_unanswered"]
+    finally:
+        stranger.close()
+
+
 def test_stats_replies_a_peer_never_reads_are_bounded(servers):
     """STATS needs no HELLO and its reply copies every table's figures
     (100 tables with long names: 115 KB for a 49-byte request): a peer
@@ -564,7 +604,8 @@ def test_stats_replies_a_peer_never_reads_are_bounded(servers):
         assert grown < 40 << 20, grown  # (was 170 MB)
         assert protocol.stats_of(creator.ask(MsgType.STATS))["tables"]
         got = deaf.drain(1000)
-        assert len(got) == asked
+        # (past MAX_UNSENT_ERRORS refusals waiting, no more were queued)
+        assert len(got) == asked - stats["errors_unanswered"]
         refusals = [m.meta["error"] for m in got if m.type == MsgType.ERROR]
         assert all("STATS replies" in e and "not taken yet" in e
                    for e in refusals), refusals[:1]

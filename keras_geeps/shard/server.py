@@ -15,6 +15,7 @@ import zmq
 from keras_geeps import checkpoint, protocol, seal, shm
 from keras_geeps.checks import check_count, check_index
 from keras_geeps.protocol import Message, MsgType, ProtocolError
+from keras_geeps.shard.bounds import LogBudget, UnsentReplies
 from keras_geeps.shard.sessions import SeqTracker, Session, user_id
 from keras_geeps.shard.settings import NoRoomError, RequestError, \
     ShardSettings
@@ -52,6 +53,12 @@ MAX_UNSENT_READS = 64
 # reads none, per peer and in all.
 MAX_UNSENT_STATS = 4
 MAX_UNSENT_STATS_ALL = 64
+# ERROR replies waiting for a peer that is no worker's and reads none,
+# per peer and in all: past that its refused requests go unanswered.
+MAX_UNSENT_ERRORS = 64
+MAX_UNSENT_ERRORS_ALL = 4096
+# Lines of refused or dropped requests logged per 10 s (the rest counted).
+REFUSAL_LOG_LINES = 20
 
 # The refusals of an UPDATE or CLOCK that is not of the worker's current
 # clock (`ShardServer._check_clock`).
@@ -146,6 +153,9 @@ class ShardServer:
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._unsent_reads = {}   # worker -> [[tracker]] of READ replies
         self._unsent_stats = []   # [(identity, tracker)] of STATS replies
+        self._unsent_errors = UnsentReplies(MAX_UNSENT_ERRORS,
+                                            MAX_UNSENT_ERRORS_ALL)
+        self._refusal_log = LogBudget(REFUSAL_LOG_LINES)
         self._last_seen = {}      # worker id -> time of its last message
         self._dead = set()        # workers declared dead
         self._left = set()        # workers that closed their client (LEAVE)
@@ -168,6 +178,7 @@ class ShardServer:
         self.stats = {"bytes_in": 0, "bytes_out": 0, "messages_in": 0,
                       "updates_applied": 0, "updates_held": 0,
                       "duplicates": 0, "errors": 0, "internal_errors": 0,
+                      "errors_unanswered": 0,
                       "pushes": 0, "checkpoints": 0, "restored_clock": -1,
                       "shm_bytes_in": 0, "shm_bytes_out": 0,
                       "lent_updates": 0, "sealed_in": 0, "sealed_out": 0,
@@ -349,8 +360,11 @@ class ShardServer:
             self.stats["bytes_in"] += sum(len(f) for f in frames)
             if len(frames) < 2:
                 self.stats["errors"] += 1
-                log.warning("shard %d: dropped a message with no header",
-                            self.shard_id)
+                held = self._refusal_log.take()
+                if held is not None:
+                    log.warning("shard %d: dropped a message with no "
+                                "header%s", self.shard_id,
+                                LogBudget.note(held))
                 continue
             dispatch(frames)
             if self._stop.is_set():
@@ -473,18 +487,31 @@ class ShardServer:
         table = message.table if message is not None else -1
         if code not in protocol.CLIENT_ACTS_ON:  # (those are logged
             # where they arise, or are routine: a restart's stale requests)
-            log.warning("shard %d: refused a request (seq %d): %s",
-                        self.shard_id, seq, error)
+            held = self._refusal_log.take()
+            if held is not None:
+                log.warning("shard %d: refused a request (seq %d): %s%s",
+                            self.shard_id, seq, error, LogBudget.note(held))
         meta = {"error": error[:2000]}
         if code is not None:
             meta["code"] = code
-        self._answer(identity, message, Message(MsgType.ERROR, table=table,
-                                                seq=seq, meta=meta))
+        # Bounded for peers that are no worker's (a worker reads its
+        # socket, and may count on each answer); sealed ones are bounded
+        # by their session.
+        plain = not isinstance(identity, tuple) and \
+            identity not in self._identities.values()
+        if plain and not self._unsent_errors.room_for(identity):
+            self.stats["errors_unanswered"] += 1
+            return  # a peer that reads nothing: no more replies pile up
+        tracker = self._answer(identity, message, Message(
+            MsgType.ERROR, table=table, seq=seq, meta=meta), track=plain)
+        if plain:
+            self._unsent_errors.add(identity, tracker)
 
-    def _answer(self, identity, request, reply):
+    def _answer(self, identity, request, reply, track=False):
         """Sends `reply` to `request`, kept for a resend of a ONCE_ONLY
         request from its worker's connection (the shard handles it once,
-        and a resend means this answer may have been lost)."""
+        and a resend means this answer may have been lost). Returns the
+        reply's tracker with `track` (`_send`)."""
         telling = reply.type == MsgType.ERROR or \
             reply.meta.get("existing") or reply.meta.get("global_clock", 0)
         if telling and request is not None and request.type in ONCE_ONLY \
@@ -495,7 +522,7 @@ class ShardServer:
             kept[request.seq] = reply
             if len(kept) > KEPT_ANSWERS:
                 kept.popitem(last=False)
-        self._send(identity, reply)
+        return self._send(identity, reply, track=track)
 
     def _send(self, identity, message, track=False):
         """Sends `message`; returns a tracker of the zero-copy frames (with
@@ -538,7 +565,14 @@ class ShardServer:
             last = len(frames) - 1
             for i, frame in enumerate(frames):
                 more = zmq.SNDMORE if i < last else 0
-                if isinstance(frame, bytes) or not rows_reply and \
+                if track and i == last and not trackers and \
+                        isinstance(frame, bytes):
+                    # A reply of a header only (an ERROR's, tracked to
+                    # bound those waiting: `_refuse`): it tells when the
+                    # reply went out.
+                    trackers.append(sock.send(frame, more, copy=False,
+                                              track=True))
+                elif isinstance(frame, bytes) or not rows_reply and \
                         frame.nbytes < zmq.COPY_THRESHOLD:
                     sock.send(frame, more)
                 else:
