@@ -17,6 +17,7 @@ import tempfile
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 
@@ -96,7 +97,10 @@ def keygen(directory, name, overwrite=False):
             os.umask(previous)
         os.chmod(written[0], 0o644)  # public keys are for sharing
         paths = pair_paths(directory, name)
-        for source, target in zip(written, paths):
+        # The secret first: interrupted between the two, the old public
+        # key beside the new secret is refused by name (`load_keypair`),
+        # and the peers holding the old public key still match the file.
+        for source, target in reversed(list(zip(written, paths))):
             os.replace(source, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -114,7 +118,11 @@ def load_keypair(path):
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: the file holds no CURVE key, or is a folder.
+        ValueError: naming the file: it is a folder, holds no CURVE key
+            or a malformed one (each must be 40 Z85 characters, on its
+            own `public-key = "..."` / `secret-key = "..."` line), holds
+            a secret others may read, or a public key that is not its
+            secret's.
     """
     if os.path.isdir(path):
         raise ValueError(f"{path} is a folder, not a CURVE key file "
@@ -123,12 +131,92 @@ def load_keypair(path):
         raise FileNotFoundError(f"CURVE key file {path} does not exist "
                                 f"(`keras-geeps keygen` writes them)")
     try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as exc:  # pyzmq: OSError, "Invalid ..."
+        keys = _read_key_lines(path)
+    except ValueError as exc:
         raise ValueError(f"{path} is not a CURVE key file "
                          f"(`keras-geeps keygen` writes them): {exc}") \
-            from exc
+            from None
+    public, secret = keys.get("public-key"), keys.get("secret-key")
+    if public is None:
+        raise ValueError(f"{path} holds no public-key line: not a CURVE "
+                         f"key file (`keras-geeps keygen` writes them)")
+    if secret is not None:
+        mode = os.stat(path).st_mode & 0o777
+        if mode & 0o077:
+            raise ValueError(f"{path} holds a secret key but others may "
+                             f"read it (mode {oct(mode)}): chmod 600 it")
+        if zmq.curve_public(secret) != public:
+            raise ValueError(f"{path}: its public key is not the one of "
+                             f"its secret key: make the pair again")
+        _check_sibling(path, public)
     return public, secret
+
+
+def _check_sibling(path, public):
+    """Raises ValueError where the `.key` beside secret file `path` holds
+    another public key (the copy peers are given would not match: e.g. a
+    `keygen --force` interrupted between its two renames)."""
+    if not path.endswith(".key_secret"):
+        return
+    sibling = path[:-len("_secret")]
+    try:
+        theirs = _read_key_lines(sibling).get("public-key")
+    except (OSError, ValueError):
+        return  # none there (or not ours to judge): the secret stands
+    if theirs is not None and theirs != public:
+        raise ValueError(f"{sibling} holds another public key than "
+                         f"{path} (a pair mixed up, e.g. by an interrupted "
+                         f"`keygen --force`): make the pair again")
+
+
+_KEY_LINE = re.compile(r'^\s*(public-key|secret-key)\s*=\s*"(.*)"\s*$')
+_Z85 = frozenset(zmq.utils.z85.Z85CHARS)
+
+
+def _read_key_lines(path):
+    """{"public-key": z85 bytes, "secret-key": ...} of a ZeroMQ certificate,
+    each 40 Z85 characters that decode to 32 bytes, each at most once.
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    with open(path, "rb") as f:
+        raw = f.read((1 << 16) + 1)
+    if len(raw) > 1 << 16:
+        raise ValueError("larger than 64 KiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    keys = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith(("public-key", "secret-key")):
+            match = _KEY_LINE.match(line)
+            if match is None:
+                raise ValueError(f"line {number} is not "
+                                 f'`<public|secret>-key = "<40 Z85>"`')
+            name, value = match.groups()
+            if name in keys:
+                raise ValueError(f"line {number}: a second {name}")
+            keys[name] = _z85_key(value.encode("ascii", "replace"), name,
+                                  number)
+    return keys
+
+
+def _z85_key(value, name, number):
+    """`value` if it is a CURVE key in Z85 (40 characters, 32 bytes)."""
+    if len(value) != 40 or not set(value) <= _Z85:
+        raise ValueError(f"line {number}: the {name} is not 40 Z85 "
+                         f"characters")
+    try:
+        decoded = zmq.utils.z85.decode(value)
+    except Exception:  # (KeyError, struct.error on out-of-range groups)
+        decoded = None
+    if decoded is None or len(decoded) != 32:
+        raise ValueError(f"line {number}: the {name} does not decode to "
+                         f"32 bytes")
+    return value
 
 
 _BOUND_KEY = re.compile(r"^worker(\d+)\.key$")
@@ -202,6 +290,11 @@ class ShardAuth:
         if not os.path.isdir(allowed_clients_dir):
             raise ValueError(f"allowed clients folder {allowed_clients_dir} "
                              f"does not exist")
+        mode = os.stat(allowed_clients_dir).st_mode & 0o777
+        if mode & 0o022:
+            raise ValueError(f"allowed clients folder {allowed_clients_dir} "
+                             f"may be written by others (mode {oct(mode)}), "
+                             f"who could add their key: chmod go-w it")
         # pyzmq loads every `*.key` there, and on one it cannot read only
         # logs, allowing nobody: a shard that would refuse every client
         # stops here instead, naming the file.
