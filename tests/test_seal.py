@@ -461,3 +461,37 @@ def test_a_sender_not_ready_seals_nothing_until_it_is(pair):
     sender.ready = True
     assert seal.pump_all([sender]) is None and all(q.done for q in queued)
     assert [bytes(worker.open(f)[0]) for f in sent] == [b"m0", b"m1", b"m2"]
+
+
+def test_a_worker_that_loses_a_sealed_reply_to_a_bad_frame_says_hello(pair):
+    """A sealed reply other than rows (a STATS_REPLY) whose header opens,
+    taking its counter, but whose body frame fails its tag was dropped
+    with a log line only: no later message showed a gap, and the request
+    waited for its timeout. Its link now breaks (the worker says HELLO
+    again), as for a rows chunk."""
+    from keras_geeps import protocol
+    from keras_geeps.client.connection import IOThread, _SealedLink
+    worker, shard = pair
+    broken = []
+    io = IOThread(["tcp://127.0.0.1:1"], lambda *_: None,
+                  on_broken=lambda shard_id, why: broken.append(why),
+                  name="geeps-io-sealed")
+    sock = io._context.socket(zmq.DEALER)
+    try:
+        link = _SealedLink(sock, worker, lambda _: None)
+        io._links[0] = link
+        sealed = shard.seal(protocol.encode(protocol.stats_reply(
+            7, {"tables": {}})))
+        wire = [bytearray(memoryview(f).cast("B")) for f in sealed]
+        wire[-1][0] ^= 1  # the body, on the wire
+        assert io._open(0, [zmq.Frame(bytes(f)) for f in wire], link) == \
+            (None, None)
+        assert link.broken
+        deadline = time.monotonic() + 10
+        while not broken:  # (told at the end of the I/O thread's turn)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "lost a message" in broken[0]
+    finally:
+        sock.close(linger=0)
+        io.close()

@@ -1035,3 +1035,15 @@ def test_a_shard_servers_and_a_cluster_specs_arguments_are_named():
             (2, 2, r"worker_id 2 is not in \[0, 2\)")]:
         with pytest.raises(ValueError, match=problem):
             ClusterSpec(["tcp://127.0.0.1:5555"], workers, worker)
+
+
+def test_a_log_budget_lets_lines_through_per_interval_and_counts_the_rest():
+    from keras_geeps.shard.bounds import LogBudget
+    now = [0.0]
+    budget = LogBudget(2, interval=10.0, clock=lambda: now[0])
+    assert [budget.take() for _ in range(5)] == [0, 0, None, None, None]
+    now[0] = 10.0  # a new interval: the first line says 3 were held back
+    assert budget.take() == 3 and budget.take() == 0
+    assert budget.take() is None
+    assert LogBudget.note(3) == " (3 similar lines not logged)"
+    assert LogBudget.note(0) == ""

@@ -547,22 +547,30 @@ class IOThread:
         if frames and bytes(frames[0].buffer) == seal.MAGIC:
             try:
                 opened = link.channel.open(frames, defer=True)
-                sealed = opened[1:]
-                message = protocol.decode(
-                    [opened[0]] + [frame.sealed_view for frame in sealed])
-                if message.type in (MsgType.PUSH, MsgType.ROWS):
-                    return message, sealed
-                message.arrays = [frame.open_as(array.dtype, array.shape)
-                                  for array, frame in zip(message.arrays,
-                                                          sealed)]
-                return message, None
             except seal.SealGap as exc:
                 self.break_link(shard, f"lost messages ({exc})")
                 return None, None
-            except seal.SealError as exc:
+            except seal.SealError as exc:  # (its counter is not taken)
                 log.error("dropped a sealed message from shard %d: %s",
                           shard, exc)
                 return None, None
+            sealed = opened[1:]
+            message = protocol.decode(
+                [opened[0]] + [frame.sealed_view for frame in sealed])
+            if message.type in (MsgType.PUSH, MsgType.ROWS):
+                return message, sealed
+            try:
+                message.arrays = [frame.open_as(array.dtype, array.shape)
+                                  for array, frame in zip(message.arrays,
+                                                          sealed)]
+            except seal.SealError as exc:
+                # Its header opened, taking its counter: the link lost this
+                # message as a break would, and no later gap would say so.
+                log.error("dropped a sealed %s from shard %d: %s",
+                          message.type.name, shard, exc)
+                self.break_link(shard, f"lost a message ({exc})")
+                return None, None
+            return message, None
         message = protocol.decode(frames)
         if message.type == MsgType.ERROR and message.meta.get("code") == \
                 protocol.ERROR_HELLO_REQUIRED:

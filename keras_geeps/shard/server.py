@@ -409,10 +409,13 @@ class ShardServer:
             self._hello_required(route, f"the session lost messages ({exc})"
                                         f": say HELLO again")
             return
-        except seal.SealError as exc:
+        except seal.SealError as exc:  # (forged: anyone on the path)
             self.stats["errors"] += 1
-            log.warning("shard %d: dropped a sealed message of worker %d: "
-                        "%s", self.shard_id, session.worker, exc)
+            held = self._refusal_log.take()
+            if held is not None:
+                log.warning("shard %d: dropped a sealed message of worker "
+                            "%d: %s%s", self.shard_id, session.worker, exc,
+                            LogBudget.note(held))
             return
         self.stats["sealed_in"] += 1
         session.sender.ready = True  # its link is connected
