@@ -124,6 +124,7 @@ def load_keypair(path):
             a secret others may read, or a public key that is not its
             secret's.
     """
+    path = os.fspath(path)
     if os.path.isdir(path):
         raise ValueError(f"{path} is a folder, not a CURVE key file "
                          f"(`keras-geeps keygen` writes them into one)")
@@ -138,8 +139,9 @@ def load_keypair(path):
             from None
     public, secret = keys.get("public-key"), keys.get("secret-key")
     if public is None:
-        raise ValueError(f"{path} holds no public-key line: not a CURVE "
-                         f"key file (`keras-geeps keygen` writes them)")
+        raise ValueError(f"{path} is not a CURVE key file (`keras-geeps "
+                         f"keygen` writes them): it holds no public-key "
+                         f"line")
     if secret is not None:
         mode = os.stat(path).st_mode & 0o777
         if mode & 0o077:

@@ -3,6 +3,7 @@ named with its file (a bad key used to surface later as a bare "Invalid
 argument" from libzmq, or as a shard that refused its worker for good)."""
 
 import os
+import pathlib
 
 import pytest
 import zmq
@@ -27,6 +28,7 @@ def _rewrite(path, old, new):
 def test_a_keygen_pair_loads(pair):
     public, secret = pair
     loaded = auth.load_keypair(secret)
+    assert auth.load_keypair(pathlib.Path(secret)) == loaded
     assert auth.load_keypair(public) == (loaded[0], None)
     assert zmq.curve_public(loaded[1]) == loaded[0]
 
