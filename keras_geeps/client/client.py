@@ -414,9 +414,18 @@ class GeePSClient:
             shard, token, buffer_id = self._releases.popleft()
             batches.setdefault((shard, token), []).append(buffer_id)
         for (shard, token), buffers in batches.items():
-            # _queue: the I/O thread's last turn, on close, sends them too.
-            self._queue(shard, Message(MsgType.RELEASE, meta={
-                "arena": token, "buffers": buffers}))
+            message = Message(MsgType.RELEASE, meta={
+                "arena": token, "buffers": buffers})
+            if self._recovery.welcomed(shard):
+                # Not held behind the recovery: a replay's pushes pile up
+                # on the shard, counted as its memory, until released.
+                message.worker = self.worker_id
+                message.seq = self._next_seq(shard)
+                self._io.send_now(shard, message)
+            else:
+                # _queue: the I/O thread's last turn, on close, sends them
+                # too.
+                self._queue(shard, message)
 
     def _upload_entry(self, table, clock):
         """A shared buffer for one clock's update of a whole table: one
@@ -827,6 +836,8 @@ class GeePSClient:
         if table.failed:  # (a shard that took it pushes it all the same)
             return
         part = table.part_of.get((shard, message.meta.get("row_start")))
+        if part is not None and self._recovery.replaying:
+            self._recovery.on_push(shard, table, part, message.clk)
         shared = "ref" in message.meta and not message.arrays
         if shared:
             lend = message.meta.get("lend")

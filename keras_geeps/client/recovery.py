@@ -10,12 +10,14 @@ worker says HELLO again, and the WELCOME's incarnation tells which:
   number once), asks for its rows again and releases what it held back;
 - a restarted process: it restored each table at its checkpoint clock g.
   The worker re-declares each part, resends its updates and clocks of
-  [g, now) from its replay log, then its held traffic minus what the
-  replay already carried, and the requests callers still wait on (the old
-  shard took them unanswered). Updates the checkpoint covers are never
-  resent, those it does not are resent once: nothing is lost or applied
-  twice. Without checkpoints its tables are lost: the client fails,
-  naming it.
+  [g, now) from its replay log, at the shard's pace (a clock once the
+  part's pushes show the shard within the slack of it: the restored
+  shard holds no more pending clocks than while running), then its held
+  traffic minus what the replay already carried, and the requests
+  callers still wait on (the old shard took them unanswered). Updates
+  the checkpoint covers are never resent, those it does not are resent
+  once: nothing is lost or applied twice. Without checkpoints its tables
+  are lost: the client fails, naming it.
 
 A shard that restarts again, or a link that breaks again, while it is
 being recovered starts the recovery over; the given-up attempt's late
@@ -57,6 +59,24 @@ class _RecoveryAttempt:
         return future
 
 
+class _PacedReplay:
+    """The rest of one part's replay: clocks [next, boundary) of `table`,
+    each sent once the restored shard's clock of the part (`seen`, from
+    its pushes) is within `window` of it."""
+
+    __slots__ = ("table", "part", "next", "boundary", "seen", "window")
+
+    def __init__(self, table, part, start, boundary, window):
+        self.table, self.part = table, part
+        self.next, self.boundary = start, boundary
+        self.seen, self.window = start, window
+
+    def due(self):
+        """Whether the next clock may go."""
+        return self.next < self.boundary and \
+            self.next < self.seen + self.window
+
+
 class ShardRecovery:
     """The recoveries of one worker's shards, and their state.
 
@@ -89,6 +109,9 @@ class ShardRecovery:
         # requests, forgotten at the next: a shard that restarts again never
         # answers them
         self._finished_futures = {}
+        # (shard, table id, part) -> _PacedReplay: a replay under way, sent
+        # as the restored shard's clock of the part moves on
+        self._paced = {}
 
     def begin(self, shard):
         """`shard` refused this worker, or its sealed link lost messages:
@@ -188,6 +211,7 @@ class ShardRecovery:
                 return
             log.warning("worker %d: shard %d (%s) restarted; recovering",
                         client.worker_id, shard, address)
+            self._drop_paced(shard)  # (replayed anew from its checkpoint)
             self._restoring[shard] = {(t.id, p) for t, p in parts}
             client._io.forget_unacknowledged(shard)  # the replay covers them
             client._on_welcome(shard, message)
@@ -258,7 +282,9 @@ class ShardRecovery:
         client._on_welcome(shard, welcome)
         client._io.resend_unacknowledged(shard)
         pending = self._restoring[shard]
-        self._recovering[shard] = sum((t.id, p) in pending for t, p in parts)
+        paced = [key for key in self._paced if key[0] == shard]
+        self._recovering[shard] = len(paced) + sum(
+            (t.id, p) in pending for t, p in parts)
         for table, part in parts:
             if (table.id, part) in pending:
                 self._redeclare(shard, table, part, attempt)
@@ -266,7 +292,9 @@ class ShardRecovery:
                 client._io.send_now(shard, self._declare(
                     shard, table, part), attempt.future(
                         self._failing(shard)))
-        if not self._recovering[shard]:
+        for key in paced:  # (their clocks sent so far were resent above)
+            self._pump(*key)
+        if not self._recovering.get(shard, 1):
             self._finish(shard)
         client.reconnects += 1
         log.warning("worker %d: reconnected to shard %d, the same process, "
@@ -337,9 +365,9 @@ class ShardRecovery:
 
     def _replay(self, shard, table, part, restored_clock):
         """Resends `part`'s updates and clocks from `restored_clock` (the
-        restarted shard's) up to this worker's clock, from the log."""
+        restarted shard's) up to this worker's clock, from the log, paced
+        by the shard's clock (`_pump`)."""
         client = self._client
-        _, start, end = table.parts[part]
         with client._clock_lock:  # (clock() adds to the log meanwhile)
             boundary = table.clock
             missing = [c for c in range(restored_clock, boundary)
@@ -351,7 +379,66 @@ class ShardRecovery:
                                     f"worker no longer holds the updates of "
                                     f"clock {missing[0]}")
                 return
-            for clk in range(restored_clock, boundary):
+            self._boundaries[(shard, table.id)] = boundary
+        # From here on what it sent is resent under its own numbers after
+        # a reconnect (not replayed again): it is paced, not restoring.
+        self._restoring[shard].discard((table.id, part))
+        self._paced[(shard, table.id, part)] = _PacedReplay(
+            table, part, restored_clock, boundary, client.slack + 1)
+        self._pump(shard, table.id, part)
+
+    def welcomed(self, shard):
+        """Whether `shard` is being recovered and welcomed this worker's
+        HELLO (what is sent now goes to the process that answered)."""
+        attempt = self._attempts.get(shard)
+        return attempt is not None and attempt.answered and \
+            shard not in self._client._lost
+
+    @property
+    def replaying(self):
+        """Whether a replay is under way (`on_push` has something to do)."""
+        return bool(self._paced)
+
+    def on_push(self, shard, table, part, clock):
+        """A push of `part` at `clock` from `shard` (I/O thread): sends the
+        clocks of its replay now due (not while a new recovery of the
+        shard waits for its WELCOME: that says whether to go on)."""
+        key = (shard, table.id, part)
+        paced = self._paced.get(key)
+        if paced is None or clock <= paced.seen:
+            return
+        paced.seen = clock
+        if shard in self._client._lost:
+            del self._paced[key]
+        elif self.welcomed(shard):
+            self._pump(*key)
+
+    def _drop_paced(self, shard):
+        """Forgets `shard`'s replays under way (it restarted again)."""
+        for key in [key for key in self._paced if key[0] == shard]:
+            del self._paced[key]
+
+    def _pump(self, shard, table_id, part):
+        """Sends the due clocks of a paced replay (updates, then CLOCK, in
+        order), at most `slack + 1` ahead of the shard's clock of the part:
+        a worker's replay never makes the restored shard hold more pending
+        clocks than its running did (all its logged clocks at once could
+        need far more than --max-table-bytes holds). Ends the part's
+        replay once it is all sent."""
+        client = self._client
+        paced = self._paced[(shard, table_id, part)]
+        table = paced.table
+        _, start, end = table.parts[part]
+        with client._clock_lock:  # (clock() adds to the log meanwhile)
+            while paced.due():
+                clk = paced.next
+                if clk not in table.log:
+                    del self._paced[(shard, table_id, part)]
+                    client._lose(shard, f"cannot recover table "
+                                        f"{table.name!r} on shard {shard}: "
+                                        f"this worker no longer holds the "
+                                        f"updates of clock {clk}")
+                    return
                 buffer = table.log[clk]
                 if buffer is not None:
                     for message in client._update_messages(
@@ -362,8 +449,10 @@ class ShardRecovery:
                 client._io.send_now(shard, Message(
                     MsgType.CLOCK, table.id, clk=clk,
                     worker=client.worker_id, seq=client._next_seq(shard)))
-            self._boundaries[(shard, table.id)] = boundary
-        self._restoring[shard].discard((table.id, part))
+                paced.next += 1
+        if paced.next < paced.boundary:
+            return
+        del self._paced[(shard, table_id, part)]
         self._recovering[shard] -= 1
         if self._recovering[shard] == 0:
             self._finish(shard)

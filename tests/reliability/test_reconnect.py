@@ -223,9 +223,10 @@ def test_a_break_in_a_restart_recovery_loses_nothing(tmp_path, caplog,
     checkpoint, and worker 0's link is cut while it recovers the shard:
 
     - "during" its replay of clocks 0-6, 2.5 MiB on (its clock-6 update,
-      which the new shard refuses, then part of the replay). The replay,
-      sent under new numbers and not yet acknowledged, is resent under
-      those numbers after the next WELCOME.
+      which the new shard refuses, then part of the replay). The replay
+      goes at the shard's pace, so it is still under way: what of it went
+      out, under new numbers and not yet acknowledged, is resent under
+      those numbers after the next WELCOME, and the rest follows.
     - "before" any replay went out: on the restored shard's answer to its
       DECLARE (the ACK carries "ready", which msgpack writes as 0xa5
       "ready"; pushes, WELCOMEs and refusals carry no such key). The next
@@ -256,8 +257,7 @@ def test_a_break_in_a_restart_recovery_loses_nothing(tmp_path, caplog,
             link.close()
         assert link.cuts == 2  # (the cut, and close)
         assert stats[0]["reconnects"] >= 1
-        assert ("while recovering it from its restart" in caplog.text) == \
-            (when == "before")
+        assert "while recovering it from its restart" in caplog.text
 
 
 def test_a_zero_copy_update_resent_after_a_break_is_the_one_sent(
