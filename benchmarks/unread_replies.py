@@ -15,14 +15,20 @@ one), against a shard holding 100 tables of 1000-character names, whose
 every reply copies their figures (~115 KB): the baseline is N such
 replies; past `MAX_UNSENT_STATS` unsent ones its STATS are refused.
 
+With `--garbage N` a peer that said no HELLO sends N one-byte messages
+(never valid msgpack), each refused with an ERROR: the baseline is N such
+replies (their bytes as one that is read); past `MAX_UNSENT_ERRORS`
+waiting for a peer that is no worker's, its refusals go unanswered.
+
 Example:
 
     .venv/bin/python benchmarks/unread_replies.py --reads 3000
     .venv/bin/python benchmarks/unread_replies.py --stats 1500
+    .venv/bin/python benchmarks/unread_replies.py --garbage 400000
 
 The last line is JSON: `reads`, `answered`, `refused`, `rss_growth_bytes`,
 `copies_bytes` (reads x table bytes) and `growth_vs_copies`; with
-`--stats`, `requests` (STATS sent) in place of `reads`.
+`--stats` or `--garbage`, `requests` (messages sent) in place of `reads`.
 """
 
 import argparse
@@ -79,6 +85,8 @@ def main():
     parser.add_argument("--reads", type=int, default=3000)
     parser.add_argument("--stats", type=int, default=0,
                         help="send this many STATS instead of READs")
+    parser.add_argument("--garbage", type=int, default=0,
+                        help="send this many one-byte messages instead")
     args = parser.parse_args()
     cluster = LocalCluster(1, 2, processes=True, shard_args=[
         "--max-table-bytes", str(1 << 20)])
@@ -104,11 +112,18 @@ def main():
                     spec, name=f"{table:04d}" + "n" * 996, rows=1,
                     row_end=1)).type == MsgType.ACK
             reply_bytes = len(creator.ask(MsgType.STATS).arrays[0])
-        sent = args.stats or args.reads
+        if args.garbage:  # a stranger's: no HELLO
+            deaf = _Peer(context, address, 1, deaf=True)
+            reader = _Peer(context, address, 1)
+            reader.socket.send(b"\xc1")
+            reply_bytes = sum(map(len, reader.socket.recv_multipart()))
+        sent = args.garbage or args.stats or args.reads
         time.sleep(0.5)
         before = _rss_bytes(pid)
         for _ in range(sent):
-            if args.stats:
+            if args.garbage:
+                deaf.socket.send(b"\xc1")
+            elif args.stats:
                 deaf.send(MsgType.STATS)
             else:
                 deaf.send(MsgType.READ, table=0, clk=0)
@@ -117,19 +132,23 @@ def main():
         while True:
             stats = protocol.stats_of(creator.ask(MsgType.STATS))
             if stats["messages_in"] >= sent + 5 + 101 * bool(args.stats) \
-                    or time.monotonic() > deadline:
+                    + bool(args.garbage) or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
         time.sleep(0.5)
         grown = _rss_bytes(pid) - before
-        refused = stats["errors"]
-        copies = sent * (reply_bytes if args.stats else ROWS * 4)
-        what = "STATS" if args.stats else "READs"
+        refused = stats["errors"] - bool(args.garbage)  # (the reader's)
+        copies = sent * (ROWS * 4 if not (args.stats or args.garbage)
+                         else reply_bytes)
+        what = "STATS" if args.stats else "one-byte messages" \
+            if args.garbage else "READs"
+        unanswered = stats.get("errors_unanswered", 0)
         print(f"{sent} {what}, none read: {sent - refused} answered, "
-              f"{refused} refused; shard grew {grown / 1e6:.1f} MB (copies "
-              f"of every reply: {copies / 1e6:.0f} MB)")
+              f"{refused} refused ({unanswered} of them unanswered); shard "
+              f"grew {grown / 1e6:.1f} MB (copies of every reply: "
+              f"{copies / 1e6:.0f} MB)")
         print(json.dumps({
-            "requests" if args.stats else "reads": sent,
+            "requests" if args.stats or args.garbage else "reads": sent,
             "answered": sent - refused,
             "refused": refused, "rss_growth_bytes": grown,
             "copies_bytes": copies,
