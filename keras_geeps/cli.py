@@ -130,8 +130,8 @@ def _ask_all(args, msg_type, answered=None):
     finally:
         io.close()
     if failures:
-        hint = ("are these CURVE keys allowed?" if curve else
-                "or does it require CURVE keys?")
+        hint = ("are these CURVE keys allowed? or does it require none?"
+                if curve else "or does it require CURVE keys?")
         raise GeePSError(f"{'; '.join(failures)}; is it running ({hint}) "
                          f"({len(spec.shards) - len(failures)} of "
                          f"{len(spec.shards)} shards answered)")

@@ -555,7 +555,8 @@ class GeePSClient:
             if time.monotonic() >= deadline:
                 shard = future.shard
                 hint = (" (if it requires CURVE keys: are this worker's keys"
-                        " allowed?)" if self._curve is not None else
+                        " allowed? if it requires none, this worker must "
+                        "use none either)" if self._curve is not None else
                         " (or does it require CURVE keys?)")
                 raise GeePSTimeoutError(
                     f"worker {self.worker_id}: shard {shard} "

@@ -158,6 +158,18 @@ def test_unkeyed_or_wrongly_keyed_client_is_refused(keys, curve_cluster, who):
     assert stats.process.poll() is None  # the shard keeps running
 
 
+def test_a_keyed_client_of_an_unkeyed_shard_is_told_both_ways(
+        keys, thread_cluster):
+    """A keyed worker's HELLO to a shard that takes no keys times out; its
+    error asked only whether the worker's keys were allowed, pointing away
+    from the cause."""
+    cluster = thread_cluster(1, 1)
+    spec = ClusterSpec(cluster.addresses, 1, 0)
+    with pytest.raises(GeePSError, match="if it requires none, this "
+                                         "worker must use none either"):
+        GeePSClient(spec, timeout=1.0, curve=worker_keys(keys))
+
+
 def test_a_key_list_that_does_not_fit_the_shards_is_named(keys):
     """Shard keys are one for all shards or one per shard: two for one
     shard is refused before anything connects."""
