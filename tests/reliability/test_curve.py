@@ -14,7 +14,8 @@ from keras_geeps.cluster import ClusterSpec
 from keras_geeps.errors import GeePSError
 from tests.reliability.keyed import keyed_cluster, worker_keys
 from tests.reliability.restarts import (ask_across_a_restart,
-                                        counted_to_a_checkpoint)
+                                        counted_to_a_checkpoint,
+                                        wait_for_checkpoint)
 from tests.worker_threads import run_worker_threads
 
 
@@ -456,6 +457,9 @@ def test_a_restarted_curve_shard_recovers_with_nothing_lost(
                 client.update(table, np.ones((64, 64), np.float32))
                 client.clock()
                 if clk == 6:
+                    # (restored from a checkpoint, not created again: the
+                    # writer may lag on a loaded machine)
+                    wait_for_checkpoint(client, table, 6)
                     old = cluster.shards[0]
                     old.kill()
                     # As the launcher restarts one (the same data port), or

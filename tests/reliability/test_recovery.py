@@ -237,9 +237,10 @@ def test_a_replay_up_to_max_pending_clocks_ahead_is_taken(tmp_path):
 
 
 def test_a_replay_needs_no_more_shard_memory_than_the_run(tmp_path):
-    """Two workers run 15 clocks of a 256 KiB table on a shard with room
-    for 5 copies of it (what the run needs); the shard is SIGKILLed and
-    restored at clock 8. Each worker replayed its 7 logged clocks at
+    """Two workers run 31 clocks of a 256 KiB table on a shard with room
+    for 8 copies of it (the run needs 5-6: its rows, a clock's updates,
+    the snapshot and pushes still being sent); the shard is SIGKILLed and
+    restored at clock 16. Each worker replayed its 15 logged clocks at
     once, the restored shard needed a pending copy per clock ahead, and
     the updates it refused were lost (the job then stopped). The replay
     now goes at the shard's pace, releasing the pushed rows as it goes,
@@ -247,8 +248,8 @@ def test_a_replay_needs_no_more_shard_memory_than_the_run(tmp_path):
     rows = width = 256
     table_bytes = rows * width * 4
     cluster = LocalCluster(1, 2, processes=True, output=None, shard_args=[
-        "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "8",
-        "--max-table-bytes", str(5 * table_bytes)])
+        "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "16",
+        "--max-table-bytes", str(8 * table_bytes)])
     ones = np.ones((rows, width), np.float32)
 
     def run(clocks, client, table):
@@ -263,17 +264,17 @@ def test_a_replay_needs_no_more_shard_memory_than_the_run(tmp_path):
                    for w in range(2)]
         pairs = [(c, c.create_table("t", rows, width)) for c in clients]
         results, errors = run_worker_threads(
-            2, lambda w: run(15, *pairs[w]), timeout=120)
+            2, lambda w: run(31, *pairs[w]), timeout=120)
         assert not errors, errors[0]
-        wait_for_checkpoint(clients[0], pairs[0][1], 8)
-        assert sorted(pairs[0][1].log) == list(range(8, 15))
+        wait_for_checkpoint(clients[0], pairs[0][1], 16)
+        assert sorted(pairs[0][1].log) == list(range(16, 31))
         _restart(cluster, 0, ["--restore"])
         results, errors = run_worker_threads(
             2, lambda w: run(1, *pairs[w]), timeout=120)
         assert not errors, errors[0]
         for w in range(2):
-            np.testing.assert_array_equal(results[w], 32.0)
-        assert clients[0].shard_stats()[0]["restored_clock"] == 8
+            np.testing.assert_array_equal(results[w], 64.0)
+        assert clients[0].shard_stats()[0]["restored_clock"] == 16
         for client in clients:
             client.close()
     finally:
