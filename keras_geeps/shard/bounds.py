@@ -83,9 +83,7 @@ class LogBudget:
 
     ```python
     budget = LogBudget(20)
-    held = budget.take()
-    if held is not None:
-        log.warning("refused a request%s", budget.note(held))
+    budget.warning(log, "refused a request (seq %d)", seq)
     ```
     """
 
@@ -109,6 +107,13 @@ class LogBudget:
         self._used += 1
         held, self._held = self._held, 0
         return held
+
+    def warning(self, logger, message, *args):
+        """`logger.warning(message, *args)` if the budget lets the line
+        through, with the note of the lines it held back appended."""
+        held = self.take()
+        if held is not None:
+            logger.warning(message + "%s", *args, self.note(held))
 
     @staticmethod
     def note(held):

@@ -360,11 +360,9 @@ class ShardServer:
             self.stats["bytes_in"] += sum(len(f) for f in frames)
             if len(frames) < 2:
                 self.stats["errors"] += 1
-                held = self._refusal_log.take()
-                if held is not None:
-                    log.warning("shard %d: dropped a message with no "
-                                "header%s", self.shard_id,
-                                LogBudget.note(held))
+                self._refusal_log.warning(
+                    log, "shard %d: dropped a message with no header",
+                    self.shard_id)
                 continue
             dispatch(frames)
             if self._stop.is_set():
@@ -411,11 +409,9 @@ class ShardServer:
             return
         except seal.SealError as exc:  # (forged: anyone on the path)
             self.stats["errors"] += 1
-            held = self._refusal_log.take()
-            if held is not None:
-                log.warning("shard %d: dropped a sealed message of worker "
-                            "%d: %s%s", self.shard_id, session.worker, exc,
-                            LogBudget.note(held))
+            self._refusal_log.warning(
+                log, "shard %d: dropped a sealed message of worker %d: %s",
+                self.shard_id, session.worker, exc)
             return
         self.stats["sealed_in"] += 1
         session.sender.ready = True  # its link is connected
@@ -490,10 +486,9 @@ class ShardServer:
         table = message.table if message is not None else -1
         if code not in protocol.CLIENT_ACTS_ON:  # (those are logged
             # where they arise, or are routine: a restart's stale requests)
-            held = self._refusal_log.take()
-            if held is not None:
-                log.warning("shard %d: refused a request (seq %d): %s%s",
-                            self.shard_id, seq, error, LogBudget.note(held))
+            self._refusal_log.warning(
+                log, "shard %d: refused a request (seq %d): %s",
+                self.shard_id, seq, error)
         meta = {"error": error[:2000]}
         if code is not None:
             meta["code"] = code
@@ -1264,7 +1259,7 @@ class ShardServer:
                 update.add_to(pending)
 
     def _check_room(self, table, clk, nbytes, reuse=None):
-        """Raises RequestError unless `nbytes` more for clock `clk` of
+        """Raises NoRoomError unless `nbytes` more for clock `clk` of
         `table` fit within max_table_bytes (`reuse`: `_room_for`'s)."""
         if not self._room_for(nbytes, reuse):
             raise NoRoomError(
