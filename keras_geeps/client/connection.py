@@ -134,6 +134,7 @@ class IOThread:
                  heartbeat_interval=0.0, curve=None, name="geeps-io",
                  on_turn=None, on_broken=None, on_close=None):
         self._addresses = list(addresses)
+        self._keyed = curve is not None
         self._on_broken = on_broken
         self._broken = {}  # shard -> why its link broke, told next turn
         self._on_turn = on_turn
@@ -448,11 +449,14 @@ class IOThread:
             self._sockets[shard].send_multipart(frames, zmq.NOBLOCK,
                                                 copy=False)
         except zmq.Again:  # no connection takes it: CURVE refused us
+            hint = ("if it requires CURVE keys: are this worker's keys "
+                    "allowed? if it requires none, this worker must use "
+                    "none either" if self._keyed else
+                    "does it require CURVE keys?")
             error = GeePSError(f"shard {shard} ({self._addresses[shard]}) "
                                f"has no connection that takes this worker's "
-                               f"{kind.name}: it refused the connection (does "
-                               f"it require CURVE keys, or not allow this "
-                               f"worker's?)")
+                               f"{kind.name}: it refused the connection "
+                               f"({hint})")
             self._report(future, error)
 
     def _report(self, future, error):
