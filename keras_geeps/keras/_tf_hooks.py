@@ -111,7 +111,11 @@ class GeePSExtended(one_device_strategy.OneDeviceExtended):
     def _create_variable(self, next_creator, **kwargs):
         variable = super()._create_variable(next_creator, **kwargs)
         trainable = kwargs.get("trainable")
-        trainable = trainable is None or bool(trainable)
+        # An integer (or bool) one, trainable by default in TF and Keras,
+        # takes no gradient: like a non-trainable weight it is this
+        # worker's own, starting from worker 0's value.
+        trainable = (trainable is None or bool(trainable)) and \
+            variable.dtype.is_floating
         self._geeps_sync.track_variable(
             variable, trainable, keras_path=_creating_keras_variable(),
             layer_weight=not trainable and _creating_layer_weight())

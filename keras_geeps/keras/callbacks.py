@@ -56,14 +56,16 @@ class ParameterServerCallback(keras.callbacks.Callback):
         holds its variables, and `fit` would train it on this worker
         alone, without a word (Keras fits it under the strategy it was
         built in)."""
-        if not self.model.trainable_variables:
+        # (integer weights take no gradient: no table holds them)
+        trainable = [v for v in self.model.trainable_variables
+                     if keras.backend.is_float_dtype(v.dtype)]
+        if not trainable:
             raise GeePSError(
                 f"model {self.model.name!r} has no trainable weights (every "
                 f"layer frozen?): fit under the GeePS strategy has nothing "
                 f"to train through the shards. Unfreeze a layer, or fit it "
                 f"outside the strategy")
-        outside = self.strategy.parameter_sync.not_held(
-            self.model.trainable_variables)
+        outside = self.strategy.parameter_sync.not_held(trainable)
         if self.model.distribute_strategy is self.strategy and not outside:
             return
         names = ", ".join(v.path if hasattr(v, "path") else v.name

@@ -300,7 +300,9 @@ class ParameterSync:
                        layer_weight=False):
         """Called for every variable created in the strategy's scope.
 
-        A trainable one gets a table at the next step, also when created
+        A trainable one (floating-point: `GeePSExtended` passes an integer
+        one, which takes no gradient, as not trainable) gets a table at the
+        next step, also when created
         after the first tables (a second model, a new head): one table per
         layer, named by `keras_path` (its Keras variable's path) when it
         has one, else by its TF name. A non-trainable `layer_weight` (a

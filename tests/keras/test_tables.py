@@ -140,6 +140,38 @@ def test_layers_built_inside_the_first_step_get_a_table_each(strategy):
     _assert_weights_are_rows(strategy, sync.tables)
 
 
+class _Counting(keras.layers.Layer):
+    """Counts its training calls in an int32 weight: trainable by default
+    (Keras and TF both make integer variables so), with no gradient."""
+
+    def build(self, shape):
+        self.count = self.add_weight(shape=(), dtype="int32",
+                                     initializer="zeros", name="count")
+
+    def call(self, x, training=False):
+        if training:
+            self.count.assign_add(1)
+        return x
+
+
+def test_integer_weights_train_as_in_keras_and_get_no_table(strategy):
+    """An integer weight (a layer's counter, a tf.Variable(0)) made the
+    first step fail in PackLayout, which takes floating-point tables only;
+    plain Keras trains the model. It stays this worker's own."""
+    sync = strategy.parameter_sync
+    with strategy.scope():
+        model = _compiled("counted", _Counting(name="cnt"),
+                          keras.layers.Dense(2, name="d"))
+        steps = tf.Variable(0, name="steps")
+    _fit(model, epochs=2)
+    steps.assign_add(1)
+    assert int(model.get_layer("cnt").count.numpy()) == 2 * STEPS
+    assert [t.name for t in sync.tables] == ["counted/d"]
+    assert sync.not_held([steps, model.get_layer("cnt").count]) == [
+        steps, model.get_layer("cnt").count]
+    _assert_weights_are_rows(strategy, sync.tables)
+
+
 def test_training_a_layer_created_outside_the_scope_is_a_clear_error(
         strategy):
     outside = keras.layers.Dense(2, name="outside")
