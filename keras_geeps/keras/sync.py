@@ -228,6 +228,9 @@ class ParameterSync:
         # noted before their table was built (`note_traced_write`)
         self._traced_writes = set()
         self._candidates = []
+        # TF name -> how many trainable variables with no Keras path had it
+        # (eager TF names every unnamed one 'Variable'): `_unique_path`
+        self._tf_names = {}
         self._constants = []       # non-trainable ones (initial_values)
         self._updated = None
         self.capture_updates = capture_updates
@@ -310,12 +313,24 @@ class ParameterSync:
         value at that build (`initial_values`).
         """
         if trainable:
+            if keras_path is None:
+                keras_path = self._unique_path(variable)
             self._candidates.append((variable, keras_path))
         elif layer_weight and not tf.inside_function():
             # Worker 0's starting value, shared at the next build. Not one
             # a traced step creates (a model built lazily): it may have
             # changed by the build after.
             self._constants.append(variable)
+
+    def _unique_path(self, variable):
+        """The table path of a trainable tf.Variable that is no Keras
+        one: its TF name, with '_<n>' added to the n-th repeat of a name in
+        creation order (as Keras names its own), which is the same on
+        every worker running the same program; None for the first."""
+        name = variable.name.split(":")[0]
+        seen = self._tf_names.get(name, 0)
+        self._tf_names[name] = seen + 1
+        return f"{name}_{seen}" if seen else None
 
     def not_held(self, variables):
         """The ones of `variables` (tf or keras.Variables) that no

@@ -172,6 +172,47 @@ def test_integer_weights_train_as_in_keras_and_get_no_table(strategy):
     _assert_weights_are_rows(strategy, sync.tables)
 
 
+def test_unnamed_tf_variables_get_a_table_each(strategy):
+    """Eager TF names every unnamed tf.Variable 'Variable': two of them
+    were refused as 'two layers of one name'. They are told apart as Keras
+    tells its own, by creation order, and train as they would alone."""
+    x, y = regression_data(STEPS * BATCH)
+
+    def train(distributed):
+        with strategy.scope() if distributed else tf.name_scope("alone"):
+            w = tf.Variable(tf.ones((5, 2)))
+            b = tf.Variable(tf.fill((2,), 0.5))
+            optimizer = keras.optimizers.SGD(0.1)
+
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((xb @ w + b - yb) ** 2)
+            grads = tape.gradient(loss, [w, b])
+            optimizer.apply_gradients(zip(grads, [w, b]))
+
+        @tf.function
+        def run(xb, yb):
+            if distributed:
+                strategy.run(step, args=(xb, yb))
+            else:
+                step(xb, yb)
+
+        for i in range(STEPS):
+            run(x[i * BATCH:(i + 1) * BATCH], y[i * BATCH:(i + 1) * BATCH])
+        return w, b
+
+    with strategy.reraise():
+        w, b = train(distributed=True)
+    strategy.sync()
+    alone = train(distributed=False)
+    sync = strategy.parameter_sync
+    assert [t.name for t in sync.tables] == ["Variable", "Variable_1"]
+    _assert_weights_are_rows(strategy, sync.tables)
+    for mine, reference in zip((w, b), alone):
+        np.testing.assert_allclose(mine.numpy(), reference.numpy(),
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_training_a_layer_created_outside_the_scope_is_a_clear_error(
         strategy):
     outside = keras.layers.Dense(2, name="outside")
