@@ -287,14 +287,14 @@ def catch_up(variables):
         active.catch_up(variables)
 
 
-def _for_model(model, method):
+def _for_model(model, method, **kwargs):
     """Calls `method` (the name of a `ParameterSync` method taking
-    variables) of every open sync with `model`'s weights; nothing without
-    a model or a sync."""
+    variables, and `kwargs`) of every open sync with `model`'s weights;
+    nothing without a model or a sync."""
     if model is not None and _all_syncs:
         weights = model.weights
         for active in list(_all_syncs):
-            getattr(active, method)(weights)
+            getattr(active, method)(weights, **kwargs)
 
 
 def _catch_up_model(model):
@@ -390,7 +390,9 @@ def install_fit_hooks():
 
     - `on_epoch_end` first averages the logs through the trained model's
       strategy (`strategy.epoch_logs`, when it has one), so every
-      epoch-end callback sees the workers' mean, and then the model's
+      epoch-end callback sees the workers' mean (and, past that barrier,
+      weights with every worker's last clock, whatever the slack), and then
+      the model's
       non-trainable statistics (`strategy.non_trainable`), unless `fit`'s
       validation (`on_test_begin` of fit's own list, marked at
       `on_train_begin`) averaged them first;
@@ -462,6 +464,10 @@ def install_fit_hooks():
                 logs, epoch=epoch, clock=strategy.parameter_sync.clock,
                 statistics_clock=rejoin.statistics_clock_after(
                     strategy, model, averaged_first))
+            # Every worker has pushed the whole epoch: under SSP too, the
+            # callbacks (a ModelCheckpoint, EarlyStopping's best weights)
+            # see the same weights on every worker, at no wait.
+            _for_model(model, "catch_up", current=True)
         if not averaged_first:
             average_statistics(self)
         self._geeps_statistics_averaged = False

@@ -684,16 +684,19 @@ class ParameterSync:
         return "\n".join(lines)
 
     # ------------------------------------------------ eager pull / push
-    def pull(self, index, full=False, values=None):
+    def pull(self, index, full=False, values=None, current=False):
         """Brings table `index` into its variables if the shards have news.
 
         Args:
             index: the table's position in `tables`.
-            full: wait for every worker's last clock, ignoring the slack.
-                Defaults to False.
+            full: wait for every worker's last clock, ignoring the slack,
+                as at the end of training. Defaults to False.
             values: the table's current values, in layout order, when they
                 are not in its variables (the memory manager's host copies):
                 fresh rows are then returned, not assigned. Defaults to None.
+            current: wait for every worker's last clock as `full` does,
+                with training going on: a write since the last pull stays
+                for the next step to carry. Defaults to False.
 
         Returns:
             The pulled rows (a 1-D tensor sharing the pull buffer) when
@@ -709,7 +712,8 @@ class ParameterSync:
         # do: every worker then holds the same rows).
         written = self._write_since_pull(layer) \
             if values is None and not full else None
-        clock = table.clock + self.client.slack if full else None
+        clock = table.clock + self.client.slack if full or current \
+            else None
         # Not under self.lock: the push this pull may be waiting for can
         # come from another thread (the memory manager's write-back).
         delivered = None
@@ -877,9 +881,11 @@ class ParameterSync:
             self.steps += 1
         return True
 
-    def catch_up(self, variables):
+    def catch_up(self, variables, current=False):
         """Pulls the layers among `variables` that a train step pushed
-        since their last pull.
+        since their last pull (`current`: every one of them, with every
+        worker's last clock whatever the slack, as after the epoch-end
+        barrier, where every worker then sees the same weights).
 
         After a step a layer's variables are not what the shards hold: a
         captured update is not in them at all, a measured one (GPU, SSP,
@@ -893,10 +899,12 @@ class ParameterSync:
             variables: tf.Variables or keras.Variables (a model's weights).
         """
         behind = [i for i, layer in enumerate(self.tables) if layer.behind]
-        if not behind:
+        if not behind and not current:
             return
-        for index in self._holding(variables, behind):
-            self.pull(index)
+        # (under SSP, a layer pulled since its push may lack rows that
+        # came since: pulled again, at no cost where none did)
+        for index in self._holding(variables, None if current else behind):
+            self.pull(index, current=current)
 
     def _holding(self, variables, indices=None):
         """The positions (among `indices`; defaults to all) of the tables

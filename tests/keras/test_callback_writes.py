@@ -9,6 +9,7 @@ shard with such callbacks and compare the weights with plain Keras.
 """
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -322,3 +323,56 @@ def test_every_workers_callback_write_reaches_the_shards_once(
                   verbose=0, callbacks=[callback()])
     np.testing.assert_allclose(mine, flat_weights(reference), rtol=1e-5,
                                atol=1e-6)
+
+
+class _EpochEndWeights(keras.callbacks.Callback):
+    """Records the weights each epoch end shows; worker 1's batches end
+    late, so that under SSP worker 0 runs up to the slack ahead."""
+
+    def __init__(self, slow):
+        super().__init__()
+        self.slow = slow
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.slow:
+            time.sleep(0.05)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(flat_weights(self.model))
+
+
+def test_under_ssp_every_worker_sees_the_same_weights_at_epoch_ends(
+        thread_cluster):
+    """The epoch-end catch-up honoured the slack, though the epoch-log
+    barrier had every worker's whole epoch pushed: a ModelCheckpoint or
+    EarlyStopping's best weights held each worker's own partial view, and
+    EarlyStopping(restore_best_weights=True) left the workers with
+    different final weights. Past the barrier they now read every
+    worker's last clock."""
+    cluster = thread_cluster(1, 2)
+    x, y = regression_data(2 * 3 * STEPS * BATCH)
+    parts = _two_worker_parts(x, y)
+
+    def worker(w):
+        strategy = GeePSStrategy(client=cluster.client(w, timeout=60,
+                                                       slack=2))
+        try:
+            model = small_model(strategy, name="m")
+            recorder = _EpochEndWeights(slow=w == 1)
+            model.fit(*parts[w], batch_size=BATCH, epochs=EPOCHS,
+                      shuffle=False, verbose=0, callbacks=[
+                          recorder, keras.callbacks.EarlyStopping(
+                              monitor="loss", patience=EPOCHS,
+                              restore_best_weights=True)])
+            return recorder.seen, flat_weights(model)
+        finally:
+            strategy.close()
+
+    results, errors = run_worker_threads(2, worker, timeout=120)
+    assert not errors, errors
+    (mine, final), (theirs, their_final) = results[0], results[1]
+    assert len(mine) == len(theirs) == EPOCHS
+    for epoch in range(EPOCHS):
+        np.testing.assert_array_equal(mine[epoch], theirs[epoch])
+    np.testing.assert_array_equal(final, their_final)

@@ -61,9 +61,9 @@ def _count_catch_up_pulls(sync):
     counts = {"pulls": 0}
     real = sync.catch_up
 
-    def catch_up(variables):
+    def catch_up(variables, **kwargs):
         counts["pulls"] += any(layer.behind for layer in sync.tables)
-        real(variables)
+        real(variables, **kwargs)
 
     sync.catch_up = catch_up
     return counts
