@@ -8,7 +8,9 @@ also when one of them fails (which it names, exiting non-zero).
 """
 
 import codecs
+import contextlib
 import ctypes
+import io
 import json
 import os
 import queue
@@ -44,6 +46,42 @@ def _die_with_parent():
         _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+class _Gate:
+    """Where the launcher's stop signals wait (`_signals_held`)."""
+
+    depth = 0        # nested `_signals_held` blocks under way
+    pending = None   # the first stop signal that came during them
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Holds the launcher's stop signals (SIGINT, SIGTERM, SIGHUP, with
+    `_stop_on_signals`' handlers) back until the block ends, where the
+    first that came meanwhile raises: a child started in the block is
+    recorded first (the exception raised inside `Popen`, after the fork,
+    left the child unknown, or was lost in an after-fork hook)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signal handlers run in the main thread only)
+        return
+    _Gate.depth += 1
+    try:
+        yield
+    except BaseException:
+        _Gate.pending = None  # (what raised ends the job anyway)
+        raise
+    finally:
+        _Gate.depth -= 1
+    if _Gate.depth == 0 and _Gate.pending is not None:
+        signum, _Gate.pending = _Gate.pending, None
+        _raise_for(signum)
+
+
+def _raise_for(signum):
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise _Stopped(signum)
+
+
 def _free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -61,17 +99,21 @@ def _pump(stream, prefix, sink, lines=None):
     given. Thread body.
     """
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    held = ""
+    held = []  # the pieces of the line without a newline yet
     while True:
         chunk = os.read(stream.fileno(), 65536)
-        text = held + decoder.decode(chunk, final=not chunk)
-        *complete, held = text.split("\n")
-        if not chunk and held:
-            complete, held = complete + [held], ""
-        redraw = ""
-        if "\r" in held:  # forward the redrawn part of a progress bar
-            cut = held.rindex("\r")
-            redraw, held = held[:cut], held[cut:]
+        text = decoder.decode(chunk, final=not chunk)
+        complete, redraw = [], ""
+        if chunk and "\n" not in text and "\r" not in text:
+            held.append(text)  # (joined once, when its line ends)
+        else:
+            *complete, last = ("".join(held) + text).split("\n")
+            if not chunk and last:
+                complete, last = complete + [last], ""
+            if "\r" in last:  # forward the redrawn part of a progress bar
+                cut = last.rindex("\r")
+                redraw, last = last[:cut], last[cut:]
+            held = [last]
         if lines is not None:
             for line in complete:
                 lines.put(line)
@@ -140,16 +182,18 @@ class ShardProcess:
         # Linux sends the parent-death signal when the *thread* that forked
         # exits, so only children of the main thread can use it.
         in_main = threading.current_thread() is threading.main_thread()
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent if in_main else None)
+        with _signals_held():
+            self.process = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if in_main else None)
         lines = _UntilReady()
         self._pump = threading.Thread(
             target=_pump, args=(self.process.stdout, f"[shard {shard_id}] ",
                                 output, lines), daemon=True)
         self._pump.start()
         self.address = self.data_address = None
+        self._asked = False
         try:
             self._wait_ready(lines, start_timeout)
         except BaseException:  # (a signal meanwhile too): none left behind
@@ -184,16 +228,27 @@ class ShardProcess:
         checkpoints, long enough for the write under way and its last one
         (`writer.WRITER_JOIN_S` each): SIGKILL would lose them."""
         if timeout is None:
-            args = self.args[3]
-            checkpoints = "--checkpoint-dir" in args or "--restore" in args
-            timeout = 2 * WRITER_JOIN_S + 10.0 if checkpoints else 10.0
+            timeout = self.stop_timeout()
+        self.ask_to_stop()
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
         self._pump.join(2.0)
+
+    def stop_timeout(self):
+        """`terminate`'s default wait, in seconds (from the parsed flags:
+        `--checkpoint-dir=D` counts as `--checkpoint-dir D`)."""
+        settings = _shard_settings(self.args[3])
+        return 2 * WRITER_JOIN_S + 10.0 if settings.checkpoint_dir \
+            else 10.0
+
+    def ask_to_stop(self):
+        """SIGTERM (once): the shard finishes what it does and exits."""
+        if self.process.poll() is None and not self._asked:
+            self._asked = True
+            self.process.send_signal(signal.SIGTERM)
 
     def kill(self):
         """SIGKILL (for failure tests)."""
@@ -239,6 +294,8 @@ class LocalCluster:
         output: where subprocess shards' output goes. Defaults to stderr.
         shard_args: extra `keras-geeps shard` flags for subprocess shards.
             Defaults to none.
+        start_timeout: seconds each subprocess shard may take to serve.
+            Defaults to 60.
 
     Raises:
         ValueError: `num_shards` or `num_workers` is not an int >= 1.
@@ -253,7 +310,8 @@ class LocalCluster:
     """
 
     def __init__(self, num_shards=1, num_workers=1, processes=False,
-                 settings=None, output=sys.stderr, shard_args=()):
+                 settings=None, output=sys.stderr, shard_args=(),
+                 start_timeout=60.0):
         check_count("num_shards", num_shards, least=1)
         check_count("num_workers", num_workers, least=1)
         self.num_shards = num_shards
@@ -265,7 +323,7 @@ class LocalCluster:
                 if processes:
                     self.shards.append(ShardProcess(
                         shard_id, num_shards, num_workers, shard_args,
-                        output=output))
+                        output=output, start_timeout=start_timeout))
                 else:
                     from keras_geeps.shard import ShardServer  # noqa
                     self.shards.append(ShardServer(
@@ -289,10 +347,16 @@ class LocalCluster:
         return GeePSClient(self.spec(worker_id), **kwargs)
 
     def stop(self):
-        """Stops every shard."""
+        """Stops every shard (subprocesses: all asked at once, each then
+        waited for, and killed past its `terminate` timeout)."""
+        if self.processes:
+            for shard in self.shards:
+                shard.ask_to_stop()
+            deadline = time.monotonic() + max(
+                (shard.stop_timeout() for shard in self.shards), default=0)
         for shard in self.shards:
             if self.processes:
-                shard.terminate()
+                shard.terminate(max(0.0, deadline - time.monotonic()))
             else:
                 shard.stop()
         self.shards = []
@@ -371,7 +435,12 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
 
     Returns:
         0 when every worker exits 0; otherwise the first failing worker's
-        exit code (or 1), after stopping everything else.
+        exit code (128 + n for one killed by signal n; 1 for a shard's
+        failure), after stopping everything else.
+
+    Raises:
+        ValueError: `command` is not a non-empty list of strings, or the
+            restarts cannot work with `shard_args` (`check_restarts`).
 
     Example:
 
@@ -382,12 +451,16 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
                   shard_restarts=3)
     ```
     """
+    if isinstance(command, str) or not command or not all(
+            isinstance(part, str) for part in command):
+        raise ValueError(f"command must be a non-empty list of strings "
+                         f"(the worker's command line), not {command!r}")
     check_restarts(shard_args, shard_restarts=shard_restarts,
                    worker_restarts=worker_restarts, job_restarts=job_restarts)
     budget = {"shard": shard_restarts, "worker": worker_restarts}
     restore = []
     while True:
-        if "--restore" in [*shard_args, *restore]:
+        if _shard_settings([*shard_args, *restore]).restore:
             try:  # every worker starts afresh: each table at one clock
                 _align(shard_args, num_shards, num_workers, output)
             except CheckpointError as exc:
@@ -405,7 +478,8 @@ def launch(command, num_workers=2, num_shards=2, output=sys.stdout,
         job_restarts -= 1
         _say(output, f"[launch] starting the whole job again, the shards "
                      f"with --restore ({job_restarts} job restarts left)")
-        restore = [] if "--restore" in shard_args else ["--restore"]
+        restore = [] if _shard_settings(shard_args).restore else \
+            ["--restore"]
 
 
 def _align(shard_args, num_shards, num_workers, output):
@@ -438,9 +512,12 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
     saved = _stop_on_signals() if in_main else {}
 
     def start_worker(worker_id):
+        env = worker_env(cluster.spec(worker_id), workers=addresses)
+        # A pipe, not a terminal: without this a Python worker's prints
+        # wait in its buffer, and are lost when it is stopped.
+        env.setdefault("PYTHONUNBUFFERED", "1")
         process = subprocess.Popen(
-            command, env=worker_env(cluster.spec(worker_id),
-                                    workers=addresses),
+            command, env=env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
             preexec_fn=_die_with_parent if in_main else None)
@@ -451,10 +528,14 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
         return process
 
     try:
+        # (a restore reads the whole checkpoint first)
         cluster = LocalCluster(num_shards, num_workers, processes=True,
-                               output=output, shard_args=shard_args)
+                               output=output, shard_args=shard_args,
+                               start_timeout=600.0 if _shard_settings(
+                                   shard_args).restore else 60.0)
         for worker_id in range(num_workers):
-            workers.append(start_worker(worker_id))
+            with _signals_held():  # (recorded, to be stopped)
+                workers.append(start_worker(worker_id))
         while failure is None:
             codes = [p.poll() for p in workers]
             for worker_id, code in enumerate(codes):
@@ -462,15 +543,17 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
                     continue
                 exited = (f"worker {worker_id} (pid {workers[worker_id].pid})"
                           f" exited with code {code}")
-                if budget["worker"] <= 0:
-                    failure = (exited, code if code > 0 else 1, True)
+                if budget["worker"] <= 0:  # (killed by a signal: 128+n)
+                    failure = (exited, code if code > 0 else 128 - code,
+                               True)
                     break
                 budget["worker"] -= 1
                 _signal_group(workers[worker_id].pid, signal.SIGKILL)
                 _say(output, f"[launch] {exited}; starting it again "
                              f"({budget['worker']} restarts left)")
                 workers[worker_id].wait()
-                workers[worker_id] = start_worker(worker_id)
+                with _signals_held():
+                    workers[worker_id] = start_worker(worker_id)
                 codes[worker_id] = None
             if failure is None:
                 for index, shard in enumerate(cluster.shards):
@@ -510,31 +593,31 @@ def _run_job(command, num_workers, num_shards, output, shard_args,
     finally:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
-        _stop_workers(workers)
+        hurried = _stop_workers(workers)
         for pump in pumps:
             pump.join(2.0)
         if cluster is not None:
-            _stop_cluster(cluster)
+            _stop_cluster(cluster, at_once=hurried)
     return failure
 
 
 def _stop_workers(workers, timeout=10.0):
-    """SIGTERM to every worker's process group, SIGKILL to those still
-    running after `timeout` s, or at once on another Ctrl-C meanwhile."""
+    """SIGTERM to every worker's process group, SIGKILL to the groups with
+    anyone left in them after `timeout` s (what a worker started and left
+    running too, also after the worker exited 0), or at once on another
+    Ctrl-C meanwhile. Returns whether that Ctrl-C came."""
     for process in workers:  # and whatever each started in its group
         _signal_group(process.pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
+    hurried = False
     try:
-        for process in workers:
-            try:
-                process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        while time.monotonic() < deadline and any(
+                process.poll() is None or _group_alive(process.pid)
+                for process in workers):
+            time.sleep(0.02)
     except KeyboardInterrupt:
-        pass  # a second Ctrl-C: no more waiting
+        hurried = True  # a second Ctrl-C: no more waiting
     for process in workers:
-        if process.poll() is not None:
-            continue
         _signal_group(process.pid, signal.SIGKILL)
         while True:
             try:
@@ -542,16 +625,33 @@ def _stop_workers(workers, timeout=10.0):
                 break
             except KeyboardInterrupt:
                 continue  # SIGKILLed: the wait is short
+    return hurried
 
 
-def _stop_cluster(cluster):
-    """`cluster.stop()`; a Ctrl-C during its waits kills the shards."""
+def _group_alive(pgid):
+    """Whether process group `pgid` has a process left (a leader not yet
+    reaped counts: poll it first)."""
     try:
-        cluster.stop()
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (someone's, still there)
+        return True
+    return True
+
+
+def _stop_cluster(cluster, at_once=False):
+    """`cluster.stop()`; at once (a second Ctrl-C came), or on a Ctrl-C
+    during its waits, the shards are killed."""
+    try:
+        if not at_once:
+            cluster.stop()
+            return
     except KeyboardInterrupt:
-        for shard in list(cluster.shards):
-            shard.kill()
-        cluster.shards = []
+        pass
+    for shard in list(cluster.shards):
+        shard.kill()
+    cluster.shards = []
 
 
 def check_restarts(shard_args=(), shard_restarts=0, worker_restarts=0,
@@ -584,6 +684,12 @@ def check_restarts(shard_args=(), shard_restarts=0, worker_restarts=0,
             "--worker-restarts, --job-restarts) must be >= 0, not "
             f"{shard_restarts}, {worker_restarts}, {job_restarts}")
     settings = _shard_settings(shard_args)
+    if shard_restarts > 0 and not (settings.checkpoint_dir and
+                                   settings.checkpoint_every > 0):
+        raise ValueError(
+            "shard restarts (--shard-restarts) need --checkpoint-dir and "
+            "--checkpoint-every K (> 0) in the shard flags: a shard starts "
+            "again from its checkpoint")
     if worker_restarts > 0 and not (settings.worker_timeout > 0 and
                                     settings.on_worker_failure == "continue"):
         raise ValueError(
@@ -603,14 +709,17 @@ def _shard_settings(shard_args):
     `--restore DIR` folded into checkpoint_dir)."""
     from keras_geeps.shard.command import (  # noqa: PLC0415
         build_parser, settle_restore_flags)
+    said = io.StringIO()  # (argparse writes its reason, then exits 2)
     try:
-        args, _ = build_parser().parse_known_args(
-            ["--shard-id", "0", "--num-shards", "1", "--num-workers", "1",
-             *shard_args])
-        settle_restore_flags(args)
+        with contextlib.redirect_stderr(said):
+            args, _ = build_parser().parse_known_args(
+                ["--shard-id", "0", "--num-shards", "1", "--num-workers",
+                 "1", *shard_args])
+            settle_restore_flags(args)
     except SystemExit as exc:
+        reason = said.getvalue().strip().splitlines()[-1:] or [str(exc)]
         raise ValueError(f"shard_args {list(shard_args)} are not valid "
-                         f"`keras-geeps shard` flags: {exc}") from exc
+                         f"`keras-geeps shard` flags: {reason[0]}") from exc
     return args
 
 
@@ -623,13 +732,19 @@ class _Stopped(Exception):
 
 
 def _stop_on_signals():
-    """Makes SIGTERM and SIGHUP raise `_Stopped` (main thread only);
-    returns the handlers they had."""
+    """Makes SIGTERM and SIGHUP raise `_Stopped`, and SIGINT
+    KeyboardInterrupt, or wait for the end of a `_signals_held` block
+    (main thread only); one ignored (SIGHUP under `nohup`) stays ignored.
+    Returns the handlers replaced."""
     def stop(signum, _frame):
-        raise _Stopped(signum)
+        if _Gate.depth:
+            _Gate.pending = _Gate.pending or signum
+            return
+        _raise_for(signum)
 
     return {signum: signal.signal(signum, stop)
-            for signum in (signal.SIGTERM, signal.SIGHUP)}
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(signum) is not signal.SIG_IGN}
 
 
 def _signal_group(pid, signum):

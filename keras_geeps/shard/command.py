@@ -131,8 +131,12 @@ def run_from_args(args):
         # count that does not fit the job; a key file that cannot be
         # read; an address that cannot be bound
         raise SystemExit(f"keras-geeps shard: {exc}") from exc
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.request_stop())
+    # A hang-up (the terminal of a launcher whose process group it shares
+    # closing) stops it as SIGTERM does: its last checkpoint is written.
+    # One ignored (under nohup) stays ignored.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, lambda *_: server.request_stop())
     data = f" (sealed data {server.data_address})" \
         if server.data_address else ""
     print(f"keras_geeps shard {args.shard_id}/{args.num_shards} serving "

@@ -1,0 +1,175 @@
+"""`launch`'s process handling: signals, output, leftovers, bad input.
+
+Real shard and worker processes on 127.0.0.1; each test names the way the
+launcher failed before.
+"""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from keras_geeps import launch as launch_module
+from keras_geeps.launch import ShardProcess, check_restarts, launch
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_for(path, timeout=60):
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().strip()):
+        assert time.monotonic() < deadline, f"no {path} within {timeout} s"
+        time.sleep(0.05)
+    return path.read_text().strip()
+
+
+def test_a_stop_signal_during_a_spawn_waits_until_the_child_is_recorded():
+    """A SIGTERM raised inside `Popen`, after the fork, left the worker
+    unrecorded (its children outlived the launcher), or was lost in an
+    after-fork hook (the launcher went on). It now waits for the end of
+    the spawn and its bookkeeping."""
+    saved = launch_module._stop_on_signals()
+    recorded = []
+    try:
+        with pytest.raises(launch_module._Stopped) as stopped:
+            with launch_module._signals_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # (the handler has run by now)
+                recorded.append("child")
+        assert stopped.value.signum == signal.SIGTERM
+        assert recorded == ["child"]
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+
+
+def test_a_launcher_under_nohup_goes_on_after_a_hang_up(tmp_path):
+    """The launcher replaced an inherited SIG_IGN of SIGHUP: `nohup
+    keras-geeps launch ...` stopped the job at logout."""
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, time\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(2)\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "keras_geeps", "launch", "--workers", "1",
+         "--shards", "1", "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        _wait_for(pid_file)
+        launcher.send_signal(signal.SIGHUP)
+        out, _ = launcher.communicate(timeout=60)
+        assert launcher.returncode == 0, out
+        assert "stopped by signal" not in out
+    finally:
+        launcher.kill()
+
+
+def test_a_shard_stops_cleanly_on_a_hang_up():
+    """Shards share the launcher's process group: a closed terminal's
+    SIGHUP killed them outright, without their last checkpoint."""
+    output = io.StringIO()
+    shard = ShardProcess(0, 1, 1, output=output)
+    try:
+        shard.process.send_signal(signal.SIGHUP)
+        assert shard.process.wait(30) == 0
+        shard.terminate()
+        assert "shard 0 stopped after" in output.getvalue()
+    finally:
+        shard.kill()
+
+
+def test_a_stopped_workers_prints_reach_the_output(tmp_path, monkeypatch):
+    """Workers write to a pipe: a Python worker's prints stayed in its
+    buffer, and were lost when the launcher stopped it after another
+    worker failed."""
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    printed = tmp_path / "printed"
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['KERAS_GEEPS_WORKER_ID'] == '1':\n"
+        "    print('hello from worker 1')\n"
+        f"    open({str(printed)!r}, 'w').write('yes')\n"
+        "    time.sleep(120)\n"
+        f"while not os.path.exists({str(printed)!r}):\n"
+        "    time.sleep(0.05)\n"
+        "sys.exit(3)\n")
+    output = io.StringIO()
+    code = launch([sys.executable, str(script)], num_workers=2,
+                  num_shards=1, output=output)
+    assert code == 3, output.getvalue()
+    assert "[worker 1] hello from worker 1" in output.getvalue()
+
+
+def test_what_a_worker_leaves_running_is_killed_with_the_job(tmp_path):
+    """A process left in a worker's group that ignores SIGTERM outlived
+    the launcher, even after the worker exited 0: only a worker still
+    running got SIGKILL."""
+    pid_file = tmp_path / "pid"
+    code = launch(["bash", "-c", f"(trap '' TERM; exec sleep 100) & "
+                                 f"echo $! > {pid_file}"],
+                  num_workers=1, num_shards=1, output=io.StringIO())
+    assert code == 0
+    assert not _alive(int(_wait_for(pid_file)))
+
+
+def test_a_worker_killed_by_a_signal_is_reported_as_128_plus_its_number(
+        tmp_path):
+    output = io.StringIO()
+    code = launch([sys.executable, "-c",
+                   "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                  num_workers=1, num_shards=1, output=output)
+    assert code == 128 + signal.SIGKILL, output.getvalue()
+    assert "exited with code -9" in output.getvalue()
+
+
+def test_bad_launch_arguments_are_named_before_anything_starts():
+    """An empty command raised IndexError once the shards ran; shard
+    restarts without checkpoints were accepted, then failed when a shard
+    died; bad shard flags were reported as '2' (argparse's exit code)."""
+    for command in ([], "python train.py", ["python", 3]):
+        with pytest.raises(ValueError, match="non-empty list of strings"):
+            launch(command, num_workers=1, num_shards=1)
+    with pytest.raises(ValueError, match=r"shard restarts \(--shard-"
+                                         r"restarts\) need --checkpoint-dir"):
+        check_restarts([], shard_restarts=1)
+    with pytest.raises(ValueError, match="--max-tables: invalid int value"):
+        check_restarts(["--max-tables", "many"])
+
+
+def test_flags_given_with_equals_are_read_as_given_apart(tmp_path):
+    """`--checkpoint-dir=D` got a shard the 10 s stop of one without
+    checkpoints (SIGKILL in its last write), and `--restore=D` skipped
+    the alignment of the checkpoints: both were matched as whole words."""
+    output = io.StringIO()
+    folder = tmp_path / "ckpt"
+    shard = ShardProcess(0, 1, 1, [f"--checkpoint-dir={folder}"],
+                         output=output)
+    try:
+        assert shard.stop_timeout() > 10
+    finally:
+        shard.terminate()
+    # A whole job restored from a folder with no checkpoint: the
+    # alignment (run first) names it, instead of a shard failing to start.
+    code = launch(["true"], num_workers=1, num_shards=1, output=output,
+                  shard_args=[f"--restore={tmp_path / 'none'}"])
+    assert code == 1
+    assert "keras-geeps launch: no checkpoint of shard 0/1" in \
+        output.getvalue()
