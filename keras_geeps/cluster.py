@@ -117,7 +117,12 @@ class ClusterSpec:
                 except ValueError:
                     raise ValueError(f"${name} is {text!r}, not an "
                                      f"integer") from None
-            return cls(shards.split(","), *counts)
+            try:
+                return cls(shards.split(","), *counts)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (from ${ENV_SHARDS}, "
+                                 f"${ENV_NUM_WORKERS} and "
+                                 f"${ENV_WORKER_ID})") from None
         return cls.from_tf_config()
 
     def to_env(self):
@@ -133,6 +138,9 @@ def _as_zmq_address(address):
     Raises:
         ValueError: naming an address that is not a TCP host and port.
     """
+    if not isinstance(address, str):
+        raise ValueError(f"shard address {address!r} is not a string "
+                         f"(host:port or tcp://host:port)")
     full = address if "://" in address else f"tcp://{address}"
     scheme, _, rest = full.partition("://")
     host, _, port = rest.rpartition(":")

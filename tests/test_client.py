@@ -53,7 +53,10 @@ def test_cluster_spec_from_tf_config():
             ({"cluster": cluster, "task": {"type": "ps", "index": 0}},
              "task is a 'ps'"),
             ({"cluster": cluster, "task": {"type": "worker", "index": "0"}},
-             "index '0' is not an int")]:
+             "index '0' is not an int"),
+            ({"cluster": {"ps": [7000], "worker": ["w:1"]},  # (TypeError)
+              "task": {"type": "worker", "index": 0}},
+             "shard address 7000 is not a string")]:
         with pytest.raises(ValueError, match=pattern):
             ClusterSpec.from_tf_config(config)
 
@@ -65,6 +68,10 @@ def test_cluster_spec_from_env_names_a_bad_variable(monkeypatch):
                                          r"'two', not an integer"):
         ClusterSpec.from_env()
     monkeypatch.setenv("KERAS_GEEPS_NUM_WORKERS", "2")
+    monkeypatch.setenv("KERAS_GEEPS_WORKER_ID", "2")
+    with pytest.raises(ValueError, match=r"worker_id 2 .*\(from "
+                                         r"\$KERAS_GEEPS_SHARDS, "):
+        ClusterSpec.from_env()  # (which variables: it said nothing)
     monkeypatch.setenv("KERAS_GEEPS_WORKER_ID", "1")
     assert ClusterSpec.from_env().worker_id == 1
 
