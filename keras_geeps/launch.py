@@ -684,24 +684,22 @@ def check_restarts(shard_args=(), shard_restarts=0, worker_restarts=0,
             "--worker-restarts, --job-restarts) must be >= 0, not "
             f"{shard_restarts}, {worker_restarts}, {job_restarts}")
     settings = _shard_settings(shard_args)
-    if shard_restarts > 0 and not (settings.checkpoint_dir and
-                                   settings.checkpoint_every > 0):
-        raise ValueError(
-            "shard restarts (--shard-restarts) need --checkpoint-dir and "
-            "--checkpoint-every K (> 0) in the shard flags: a shard starts "
-            "again from its checkpoint")
+    checkpoints = settings.checkpoint_dir and settings.checkpoint_every > 0
+    for kind, count, why in (
+            ("shard", shard_restarts, "a shard starts again from its "
+                                      "checkpoint"),
+            ("job", job_restarts, "the job starts again from the shards' "
+                                  "checkpoint")):
+        if count > 0 and not checkpoints:
+            raise ValueError(
+                f"{kind} restarts (--{kind}-restarts) need --checkpoint-dir "
+                f"and --checkpoint-every K (> 0) in the shard flags: {why}")
     if worker_restarts > 0 and not (settings.worker_timeout > 0 and
                                     settings.on_worker_failure == "continue"):
         raise ValueError(
             "worker restarts (--worker-restarts) need --worker-timeout S "
             "(> 0) and --on-worker-failure continue in the shard flags: the "
             "other workers must go on without a worker that died")
-    if job_restarts > 0 and not (settings.checkpoint_dir and
-                                 settings.checkpoint_every > 0):
-        raise ValueError(
-            "job restarts (--job-restarts) need --checkpoint-dir and "
-            "--checkpoint-every K (> 0) in the shard flags: the job starts "
-            "again from the shards' checkpoint")
 
 
 def _shard_settings(shard_args):
