@@ -12,15 +12,16 @@ then hold the mean over the workers that took part (a dead worker, under
 `on_worker_failure="continue"`, is no longer counted).
 
 The table (`TABLE`, one per client, one per-clock row of fixed width: room
-for `MAX_KEYS` numbers and five more) is a `keras/worker_mean.WorkerMean`,
-keyed by a hash of the logs' keys: workers whose logs have different keys
-get a clear error instead of a mean of unlike values, and a NaN or an
-infinity in one epoch does not poison the later ones. Each barrier also
-carries the epoch and the parameter tables' clock it was taken at, the
-statistics table's clock after that epoch end, and its own number (all
-alike on every worker), so that a worker that rejoins a job under way can
-read where the others' epochs end (`last_epoch_end`, which also checks that
-the row it reads is the last barrier's).
+for `MAX_KEYS` (4090) numbers and six more) is a
+`keras/worker_mean.WorkerMean`, keyed by a hash of the logs' keys: workers
+whose logs have different keys get a clear error instead of a mean of
+unlike values, and a NaN or an infinity in one epoch does not poison the
+later ones. Each barrier also carries the epoch and the parameter tables'
+clock it was taken at, the statistics table's clock after that epoch end,
+and its own number (all alike on every worker), so that a worker that
+rejoins a job under way can read where the others' epochs end
+(`last_epoch_end`, which also checks that the row it reads is the last
+barrier's).
 
 Epoch ends must line up across workers, as BSP `fit` needs anyway. A
 worker that restarts mid-job (`on_worker_failure="continue"`) and rejoins
@@ -37,12 +38,15 @@ from keras_geeps.errors import GeePSError
 from keras_geeps.keras.worker_mean import WorkerMean
 
 TABLE = "keras_geeps.epoch_logs"
-MAX_KEYS = 251
 # Before the logs' numbers: where the epoch ended (`EpochEnd`), the
 # barrier's number (the table's clock it is taken at) and the clock's
 # square (its mean is the clock's squared only when every worker's clock
 # is the same).
 _EPOCH, _CLOCK, _STATISTICS, _BARRIER, _CLOCK_SQUARE, _LOGS = range(6)
+# Numbers an epoch's logs may hold: room for a per-class metric of a few
+# thousand classes (`F1Score(average=None)`); each worker sends and reads
+# a row of 128 KiB per epoch end.
+MAX_KEYS = 4096 - _LOGS
 
 
 def _check_clocks(means, epoch, clock):

@@ -67,6 +67,28 @@ def test_per_class_metrics_are_averaged_element_by_element(thread_cluster):
                and "f1_score(" in str(e) for e in errors)
 
 
+def test_a_metric_per_class_of_a_thousand_classes_is_averaged(
+        thread_cluster):
+    """More than 251 numbers (F1Score(average=None) over 300 classes) were
+    refused at the first epoch end, after a whole epoch; past MAX_KEYS
+    they still are, naming the way out."""
+    cluster = thread_cluster(1, 2)
+
+    def epoch(client, w):
+        logs = {"loss": float(w), "f1_score": np.full(1000, w, np.float32)}
+        averager = EpochLogAverager(client)
+        averager.average(logs)
+        too_many = {"f1_score": np.zeros(epoch_logs.MAX_KEYS + 1)}
+        with pytest.raises(GeePSError, match=f"{epoch_logs.MAX_KEYS + 1} "
+                                             f"numbers in the epoch logs"):
+            averager.average(too_many)
+        return logs
+
+    for logs in run_clients(cluster, epoch, timeout=20).values():
+        assert logs["loss"] == pytest.approx(0.5)
+        np.testing.assert_allclose(logs["f1_score"], np.full(1000, 0.5))
+
+
 def test_one_worker_is_left_alone(thread_cluster):
     cluster = thread_cluster(1, 1)
     with cluster.client(0, timeout=5) as client:
