@@ -422,14 +422,31 @@ class _BudgetGuard:
         return None  # the layerwise trainer updates variables itself
 
     def wrap_step(self, call, is_train_step=False, builds_tables=True):
+        self._check_materialized()  # (at the trace: at once)
+        # And at every run of the traced step, before its pulls: a
+        # trainer's step since may have staged the layers out again.
+        check = tf.py_function(self._check_materialized_op, [], tf.bool,
+                               name="geeps_budget_check")
+        self._in_step = True
+        try:
+            with tf.control_dependencies([check]):
+                return self.sync.wrap_step(call, is_train_step,
+                                           builds_tables)
+        finally:
+            self._in_step = False
+
+    def _check_materialized(self):
         memory = self.strategy._memory
         if memory is not None and not memory.materialized:
             raise GeePSError(
                 "the staged layers' variables are in host memory: call "
                 "strategy.sync() (or trainer.materialize()) before "
                 "evaluate / predict")
-        self._in_step = True
+
+    def _check_materialized_op(self):
         try:
-            return self.sync.wrap_step(call, is_train_step, builds_tables)
-        finally:
-            self._in_step = False
+            self._check_materialized()
+        except GeePSError as exc:  # (Keras re-raises it as such)
+            self.sync._keep_failure(exc)
+            raise
+        return True

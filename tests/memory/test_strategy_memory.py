@@ -70,6 +70,33 @@ def test_fit_is_refused_and_too_small_a_budget_named(thread_cluster):
         strategy.close()
 
 
+def test_every_predict_on_staged_layers_is_refused_until_synced(
+        thread_cluster):
+    """The check that the staged layers are back on the device ran only
+    when predict's step was traced: a predict after a later train step
+    (the layers staged out again) reused the trace and failed inside the
+    pull op, on variables of 0 elements, naming nothing to do."""
+    budget = param_bytes(mlp()) // 4
+    strategy = keras_geeps.GeePSStrategy(
+        client=thread_cluster(1, 1).client(0, timeout=30),
+        device_memory_budget=budget)
+    try:
+        with strategy.scope():
+            model = mlp()
+        model.compile(loss=loss_fn(), jit_compile=False)
+        trainer = strategy.layerwise_trainer(
+            model, keras.optimizers.SGD(0.05), loss_fn(), BATCH)
+        (x, y), = batches((WIDTH,), 10, steps=1)
+        for _ in range(2):
+            trainer.train_step(x, y)
+            with pytest.raises(GeePSError, match="call strategy.sync"):
+                model.predict(x, verbose=0)
+            strategy.sync()
+            assert np.isfinite(model.predict(x, verbose=0)).all()
+    finally:
+        strategy.close()
+
+
 def run_alone(cluster, budget, data):
     """Worker 0 of 2 trains under SSP "average" with a slack of the whole
     run: worker 1 never clocks, so no pull brings fresh rows, and each
