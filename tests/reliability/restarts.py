@@ -19,6 +19,19 @@ def wait_for_checkpoint(client, table, clock, timeout=30):
     raise AssertionError(f"no checkpoint of {table.name!r} at clock {clock}")
 
 
+def wait_for_shard_checkpoint(client, shard, clock, timeout=30):
+    """Waits until `shard` wrote every table it holds at `clock` or later
+    (a test that kills it then knows what it is restored from)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tables = client.shard_stats()[shard]["tables"].values()
+        if tables and all(t["ckpt_clock"] >= clock for t in tables):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"shard {shard} wrote no checkpoint at clock "
+                         f"{clock} within {timeout} s")
+
+
 def ask_across_a_restart(client, cluster, ask):
     """Calls `ask()` in a thread while the shard is stopped (SIGSTOP: the
     request waits in its socket), then SIGKILLs it and starts it again
