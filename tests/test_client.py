@@ -232,10 +232,12 @@ def test_a_declaration_that_timed_out_can_be_tried_again(thread_cluster):
     after its timeout; once the creator made it, the same call succeeds
     (it raised 'exists already' before)."""
     cluster = thread_cluster(1, 2)
-    with cluster.client(1, timeout=1) as second, \
+    with cluster.client(1, timeout=10) as second, \
             cluster.client(0, timeout=10) as first:
+        second.timeout = 1  # (only the call meant to time out)
         with pytest.raises(GeePSTimeoutError):
             second.create_table("t", 2, 2)
+        second.timeout = 10
         first.create_table("t", 2, 2, init=np.full((2, 2), 3.0))
         table = second.create_table("t", 2, 2)
         assert table.id == 0
@@ -495,9 +497,10 @@ def test_a_read_that_starts_mid_push_copies_it_whole(thread_cluster):
 
 def test_a_read_that_gave_up_is_not_written_to(thread_cluster):
     cluster = thread_cluster(1, 1)
-    with cluster.client(0, timeout=0.3, heartbeat_interval=0) as client:
+    with cluster.client(0, timeout=10, heartbeat_interval=0) as client:
         table = client.create_table("t", 8, 2)
         out = np.zeros((8, 2), np.float32)
+        client.timeout = 0.3  # (only the call meant to time out)
         with pytest.raises(GeePSTimeoutError):
             client.read(table, out=out, clock=5)
         assert table.delivery is None
@@ -630,8 +633,9 @@ def test_closed_client_raises_a_clear_error_and_wakes_waiters(
 
 def test_requests_that_time_out_leave_no_futures(thread_cluster):
     cluster = thread_cluster(1, 1)
-    with cluster.client(0, timeout=0.5, heartbeat_interval=0) as client:
+    with cluster.client(0, timeout=10, heartbeat_interval=0) as client:
         table = client.create_table("t", 2, 2)
+        client.timeout = 0.5  # (only the calls meant to time out)
         cluster.stop()
         with pytest.raises(GeePSTimeoutError, match="did not answer STATS"):
             client.shard_stats()
@@ -672,8 +676,11 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
     survivor.clock()
     with pytest.raises(GeePSWorkerFailedError, match="worker 1"):
         survivor.read(table, clock=1)
-    time.sleep(1.0)  # a few heartbeats refused, then none sent
-    assert not survivor._io.errors and not survivor._io.heartbeat_interval
+    deadline = time.monotonic() + 10  # a few heartbeats refused, then
+    while survivor._io.heartbeat_interval:  # none sent
+        assert time.monotonic() < deadline, "heartbeats go on"
+        time.sleep(0.05)
+    assert not survivor._io.errors
     for _ in range(2):
         with pytest.raises(GeePSWorkerFailedError, match="worker 1"):
             survivor.update(table, np.ones((4, 4), np.float32))
@@ -683,16 +690,16 @@ def test_a_stopped_job_fails_every_later_call_and_keeps_one_error(
 
 def test_heartbeats_come_well_within_a_shards_worker_timeout(
         thread_cluster):
-    """A shard that declares workers silent for 0.6 s dead: the worker's
-    default 1 s heartbeat is lowered to 0.2 s (the WELCOME says the
+    """A shard that declares workers silent for 1.5 s dead: the worker's
+    default 1 s heartbeat is lowered to 0.5 s (the WELCOME says the
     timeout), so an idle worker is not taken for dead."""
 
     cluster = thread_cluster(1, 1, settings=ShardSettings(
-        worker_timeout=0.6, shared_memory=False))
+        worker_timeout=1.5, shared_memory=False))
     with cluster.client(0, timeout=10) as client:
-        assert client._io.heartbeat_interval == pytest.approx(0.2)
+        assert client._io.heartbeat_interval == pytest.approx(0.5)
         table = client.create_table("t", 2, 2)
-        time.sleep(2.0)
+        time.sleep(4.0)  # (an idle worker, past two timeouts)
         client.update(table, np.ones((2, 2), np.float32))
         client.clock()
         np.testing.assert_array_equal(client.read(table), 1.0)

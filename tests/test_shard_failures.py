@@ -345,7 +345,9 @@ def test_continue_mode_restart_mid_clock_rejoins(servers):
 
 
 def test_tables_created_after_a_death_do_not_wait_for_the_dead(servers):
-    server = servers(num_workers=2, worker_timeout=0.5,
+    # (2 s: the live worker says nothing after its heartbeats, a stall of
+    # the machine then must not take it for dead too)
+    server = servers(num_workers=2, worker_timeout=2.0,
                      on_worker_failure="continue")
     live = servers.peer(server, 0)
     servers.peer(server, 1)  # says HELLO, then nothing
@@ -398,7 +400,7 @@ def test_a_stalled_worker_declared_dead_is_told_so(servers):
     paused process) is declared dead (continue mode): it is told at once,
     and each request it sends later, heartbeats included, is refused with
     worker_dead (it waits on nothing: no push would ever come)."""
-    server = servers(num_workers=2, worker_timeout=0.5,
+    server = servers(num_workers=2, worker_timeout=2.0,  # (as above)
                      on_worker_failure="continue")
     live, stalled = _two_workers_one_table(servers, server)
     deadline = time.monotonic() + 10

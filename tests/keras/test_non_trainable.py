@@ -207,17 +207,21 @@ def test_strategies_sharing_a_client_keep_a_table_per_layout(
 def test_a_worker_that_never_comes_is_named_within_the_timeout(
         thread_cluster):
     cluster = thread_cluster(1, 2)
+    timed_out = threading.Event()
 
     def epoch(w):
         with cluster.client(w, timeout=2) as client:
             if w == 1:  # connected, but never reaches the barrier
-                time.sleep(4)
+                assert timed_out.wait(30)  # (closing would say LEAVE)
                 return None
             model = _model()
             started = time.monotonic()
-            with pytest.raises(GeePSTimeoutError,
-                               match="non-trainable variables"):
-                NonTrainableAverager(client).average(model)
+            try:
+                with pytest.raises(GeePSTimeoutError,
+                                   match="non-trainable variables"):
+                    NonTrainableAverager(client).average(model)
+            finally:
+                timed_out.set()
             return time.monotonic() - started
 
     results, errors = run_worker_threads(2, epoch, timeout=30)
