@@ -96,6 +96,22 @@ class DieAt(AtBatch):
         os._exit(self.code)
 
 
+class HoldAt(AtBatch):
+    """Waits (120 s at most) at a batch until `path` exists: a test holds
+    the job there until a replacement worker has rejoined, whatever the
+    machine's pace."""
+
+    def __init__(self, step, epoch, path):
+        super().__init__(step, epoch)
+        self.path = path
+
+    def act(self):
+        print(f"holding until {self.path} exists", flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
 class Pace(keras.callbacks.Callback):
     """Sleeps `seconds` after every train batch (a slower worker)."""
 
@@ -155,6 +171,8 @@ def main():
     parser.add_argument("--pace", type=float, default=0.0,
                         help="seconds every worker sleeps after each batch")
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--hold-at", default="",
+                        help="EPOCH:BATCH:FILE: wait there for FILE")
     parser.add_argument("--backup-dir", default="",
                         help="keras.callbacks.BackupAndRestore folder")
     parser.add_argument("--die-all-at", default="",
@@ -187,6 +205,9 @@ def main():
         callbacks.append(DieAt(batch, epoch))
     if args.pace:
         callbacks.append(Pace(args.pace))
+    if args.hold_at and strategy.client.rejoined_at is None:
+        epoch, batch, path = args.hold_at.split(":", 2)
+        callbacks.append(HoldAt(int(batch), int(epoch), path))
     if args.backup_dir:
         callbacks.append(keras.callbacks.BackupAndRestore(
             os.path.join(args.backup_dir, f"worker{w}"), save_freq=4))

@@ -38,8 +38,12 @@ def test_a_restarted_worker_lines_up_with_the_others_epochs(
     lives = 1 - dies
     cluster = thread_cluster(1, 2, settings=ShardSettings(
         worker_timeout=2, on_worker_failure="continue"))
+    # The survivor waits mid-epoch 8 until the replacement has rejoined
+    # (which may take long on a loaded machine): it then comes mid-run.
+    go = tmp_path / "rejoined"
     common = WORKER + ["--out", str(tmp_path), "--epochs", str(EPOCHS),
-                       *FIT_ARGS, *(["--freeze"] if freeze else [])]
+                       *FIT_ARGS, *(["--freeze"] if freeze else []),
+                       "--hold-at", f"8:10:{go}"]
     logs = {}
 
     def start(w, extra=(), name=None):
@@ -68,6 +72,13 @@ def test_a_restarted_worker_lines_up_with_the_others_epochs(
                 tail(lives)
             time.sleep(0.1)
         again = start(dies, name="again")
+        deadline = time.monotonic() + 180
+        while "rejoined a job under way" not in (
+                tmp_path / "again.log").read_text():
+            assert time.monotonic() < deadline and again.poll() is None, \
+                tail("again")
+            time.sleep(0.1)
+        go.write_text("")
         assert again.wait(timeout=240) == 0, tail("again")
         assert first.wait(timeout=240) == 0, tail(lives)
     finally:
