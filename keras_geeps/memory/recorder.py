@@ -281,8 +281,9 @@ def chain_layers(model):
 
     Raises:
         ValueError: the model is no `keras.Sequential` and no functional
-            model (`keras.Model(inputs, outputs)`), is not built or has no
-            layers.
+            model (`keras.Model(inputs, outputs)`), is not built, has no
+            layers or more than one input, or uses a layer twice or shares
+            a variable between layers.
     """
     import keras  # noqa: PLC0415
     from keras.src.models.functional import Functional  # noqa: PLC0415
@@ -295,11 +296,40 @@ def chain_layers(model):
     if not model.built:
         raise ValueError("the model must be built (give it a keras.Input or "
                          "call model.build) before its step is recorded")
+    inputs = getattr(model, "inputs", None) or []
+    if len(inputs) > 1:
+        raise ValueError(f"the model has {len(inputs)} inputs: the "
+                         f"layer-wise trainer takes a chain of layers from "
+                         f"one input")
     layers = [layer for layer in model.layers
               if not isinstance(layer, keras.layers.InputLayer)]
     if not layers:
         raise ValueError("the model has no layers")
+    _check_unshared(layers)
     return layers
+
+
+def _check_unshared(layers):
+    """Refuses a layer used twice, or a variable two layers hold (tied
+    weights): each layer is a unit with an optimizer copy of its own,
+    staged on its own, so a shared variable would get two updates (and
+    be emptied under the other's feet)."""
+    seen, owner = set(), {}
+    for layer in layers:
+        if id(layer) in seen:
+            raise ValueError(
+                f"layer {layer.name!r} is used twice in the model (a shared "
+                f"layer): the layer-wise trainer updates and stages each "
+                f"layer on its own, so it cannot train shared weights")
+        seen.add(id(layer))
+        for variable in layer.weights:
+            other = owner.setdefault(id(variable), layer)
+            if other is not layer:
+                raise ValueError(
+                    f"layers {other.name!r} and {layer.name!r} share the "
+                    f"variable {variable.path!r} (tied weights): the "
+                    f"layer-wise trainer updates and stages each layer on "
+                    f"its own, so it cannot train shared weights")
 
 
 def explicit_backward(layer):

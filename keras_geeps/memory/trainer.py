@@ -502,8 +502,9 @@ def _batch_mean(loss):
     """`loss` made to return a scalar: its per-sample values averaged (a
     scalar is its own mean), as `model.compile` reduces a loss. Given the
     model output's Keras mask, the loss is weighted by it as Keras weighs
-    it (a callable that is no `keras.losses.Loss` is wrapped in Keras'
-    `LossFunctionWrapper` first, as `model.compile` wraps it)."""
+    it. A callable that is no `keras.losses.Loss` (or a loss's name) is
+    wrapped in Keras' `LossFunctionWrapper` first, as `model.compile`
+    wraps it."""
     import keras  # noqa: PLC0415
     from keras.src import backend  # noqa: PLC0415
     from keras.src.losses.losses import \
@@ -512,13 +513,15 @@ def _batch_mean(loss):
         raise TypeError(f"loss must be a Keras loss, its name or a callable "
                         f"loss(y_true, y_pred), got {type(loss).__name__}")
 
+    # (always: the wrapper computes in float32 under mixed precision and
+    # casts y_true to y_pred's dtype, as compile's loss does)
+    wrapped = loss if isinstance(loss, keras.losses.Loss) else \
+        LossFunctionWrapper(loss)
+
     def mean_loss(y_true, y_pred, mask=None):
-        if mask is None:
-            return tf.reduce_mean(loss(y_true, y_pred))
-        backend.set_keras_mask(y_pred, mask)
-        masked = loss if isinstance(loss, keras.losses.Loss) else \
-            LossFunctionWrapper(loss)
-        return tf.reduce_mean(masked(y_true, y_pred))
+        if mask is not None:
+            backend.set_keras_mask(y_pred, mask)
+        return tf.reduce_mean(wrapped(y_true, y_pred))
     return mean_loss
 
 
@@ -626,6 +629,9 @@ class LayerwiseTrainer:
         # The user's optimizer gets the copies' state back at close();
         # one made here from a name or config has no reader.
         self._optimizer = optimizer if optimizer is given else None
+        # Each copy's apply() divides its gradients by the factor: the loss
+        # is multiplied by it before the backward (`optimizer.scale_loss`).
+        self._loss_scale = getattr(optimizer, "loss_scale_factor", None)
         loss = _batch_mean(keras.losses.get(loss) if isinstance(loss, str)
                            else loss)
         if device is None:
@@ -785,8 +791,9 @@ class LayerwiseTrainer:
         for unit in self.units:
             covered = sum(len(p) for p in unit.table_positions.values())
             if covered != len(unit.tf_params):
-                raise GeePSError(f"layer {unit.name!r} has variables in no "
-                                 "parameter table")
+                raise GeePSError(
+                    f"layer {unit.name!r} has variables in no parameter "
+                    f"table: create the model inside strategy.scope()")
 
     def _locked(self):
         """The ledger's lock while auditing (so a measurement never sees a
@@ -1064,7 +1071,9 @@ class LayerwiseTrainer:
             with tf.GradientTape() as tape:
                 tape.watch(out)
                 loss = self._loss(y, out, masks.pop(count))
-            dy = tape.gradient(loss, out)
+                scaled = loss if self._loss_scale is None else \
+                    loss * self._loss_scale
+            dy = tape.gradient(scaled, out)
         del out, tape
 
         # ----- backward, layer by layer, each update applied and sent
@@ -1157,7 +1166,8 @@ class LayerwiseTrainer:
     # ------------------------------------------------------------ helpers
     def fit(self, dataset, epochs=1):
         """Runs `train_step` over `(x, y)` batches of `dataset` for `epochs`;
-        returns the mean loss of each epoch.
+        returns the mean loss of each epoch (over its samples: each batch's
+        mean weighted by its size, as Keras' `fit` reports it).
 
         Args:
             dataset: an iterable of `(x, y)` batches that can be iterated
@@ -1172,14 +1182,18 @@ class LayerwiseTrainer:
         check_count("epochs", epochs, 1)
         history = []
         for epoch in range(epochs):
-            losses = [float(self.train_step(x, y)) for x, y in dataset]
+            losses, sizes = [], []
+            for x, y in dataset:
+                losses.append(float(self.train_step(x, y)))
+                sizes.append(len(x))
             if not losses:
                 raise ValueError(
                     f"epoch {epoch + 1} of {epochs} found no batch in the "
                     "dataset" + (" (a generator or iterator is spent after "
                                  "one pass: give a tf.data.Dataset or a "
                                  "list)" if epoch else ""))
-            history.append(float(np.mean(losses)))
+            # (a short last batch weighs as its samples, as in Keras' fit)
+            history.append(float(np.average(losses, weights=sizes)))
         return history
 
     def materialize(self):

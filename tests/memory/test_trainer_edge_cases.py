@@ -718,3 +718,114 @@ def test_pool_ledger_and_worker_refuse_without_changing_their_counts():
     worker.close()
     with pytest.raises(GeePSError, match="closed"):
         worker.submit(lambda: 8, "eight")
+
+
+# ------------------------------------------ losses, scaling, shared layers
+SMALL = 64  # small_mlp's width
+
+
+def test_a_loss_scale_factor_scales_the_loss_as_keras_does():
+    """Each layer's optimizer copy divided its gradients by the given
+    optimizer's loss_scale_factor, but the loss was never multiplied by it:
+    the steps came out 128 times too short (0.05 off Keras)."""
+    data = batches((SMALL,), 10)
+    budget = minimum_budget(small_mlp)
+
+    def optimizer():
+        return keras.optimizers.SGD(0.1, loss_scale_factor=128.0)
+
+    reference, keras_optimizer = small_mlp(), optimizer()
+    for x, y in data:  # (as Keras' train_step: the loss scaled)
+        with tf.GradientTape() as tape:
+            value = keras_optimizer.scale_loss(
+                loss_fn()(y, reference(x, training=True)))
+        keras_optimizer.apply(tape.gradient(
+            value, reference.trainable_variables),
+            reference.trainable_variables)
+    expected = reference.get_weights()
+    for limit in (None, budget):
+        model = small_mlp()
+        trainer = LayerwiseTrainer(model, optimizer(), loss_fn(), BATCH,
+                                   device_memory_budget=limit)
+        try:
+            for x, y in data:
+                trainer.train_step(x, y)
+            trainer.materialize()
+            for mine, theirs in zip(model.get_weights(), expected):
+                np.testing.assert_allclose(mine, theirs, rtol=1e-6,
+                                           atol=1e-7)
+        finally:
+            trainer.close()
+
+
+def test_a_plain_callable_or_named_loss_is_wrapped_as_compile_wraps_it():
+    """A loss function (not a keras.losses.Loss) was called as it is: with
+    float64 targets it failed after the forward ('Sub' of float32 and
+    float64), where Keras casts the targets to the prediction's dtype."""
+    def squared(y_true, y_pred):
+        return keras.ops.mean(keras.ops.square(y_pred - y_true), axis=-1)
+
+    rng = np.random.default_rng(3)
+    data = [(rng.standard_normal((BATCH, SMALL)).astype("float32"),
+             rng.standard_normal((BATCH, 10)))  # float64 targets
+            for _ in range(2)]
+    reference = small_mlp()
+    reference.compile(optimizer=keras.optimizers.SGD(0.1), loss=squared,
+                      jit_compile=False)
+    expected = [float(reference.train_on_batch(x, y)) for x, y in data]
+    for loss in (squared, "mse"):
+        trainer = LayerwiseTrainer(small_mlp(), keras.optimizers.SGD(0.1),
+                                   loss, BATCH)
+        try:
+            losses = [float(trainer.train_step(x, y)) for x, y in data]
+        finally:
+            trainer.close()
+        np.testing.assert_allclose(losses, expected, rtol=1e-6)
+
+
+def test_shared_layers_and_tied_weights_are_refused_by_name():
+    """A layer used twice, or a variable two layers hold, became two units
+    with an optimizer copy each: two updates per step (0.04 off Keras),
+    and under a budget staging one emptied the other's variables."""
+    shared = keras.layers.Dense(SMALL, name="shared")
+    twice = keras.Sequential([keras.Input((SMALL,)), shared, shared,
+                              keras.layers.Dense(10, name="out")])
+    with pytest.raises(ValueError, match="layer 'shared' is used twice"):
+        LayerwiseTrainer(twice, "sgd", loss_fn(), BATCH)
+
+    class Tied(keras.layers.Layer):  # an output projection tied to `first`
+        def __init__(self, first, **kwargs):
+            super().__init__(**kwargs)
+            self.first = first
+
+        def call(self, x):
+            return keras.ops.matmul(x, keras.ops.transpose(self.first.kernel))
+
+    first = keras.layers.Dense(SMALL, name="first")
+    tied = keras.Sequential([keras.Input((SMALL,)), first,
+                             Tied(first, name="tied")])
+    with pytest.raises(ValueError, match="'first' and 'tied' share the "
+                                         "variable .*tied weights"):
+        LayerwiseTrainer(tied, "sgd", loss_fn(), BATCH)
+    a, b = keras.Input((SMALL,)), keras.Input((3,))
+    two = keras.Model([a, b], keras.layers.Dense(10)(
+        keras.layers.Concatenate()([a, b])))
+    with pytest.raises(ValueError, match="the model has 2 inputs"):
+        LayerwiseTrainer(two, "sgd", loss_fn(), BATCH)
+
+
+def test_fit_reports_each_epochs_loss_over_its_samples():
+    """trainer.fit averaged its batches' losses unweighted: a short last
+    batch counted as much as a full one (251 against Keras' 101)."""
+    rng = np.random.default_rng(5)
+    sizes = (BATCH, BATCH, 3)
+    data = [(rng.standard_normal((n, SMALL)).astype("float32"),
+             rng.integers(0, 10, n)) for n in sizes]
+    trainer = LayerwiseTrainer(small_mlp(), keras.optimizers.SGD(0.0),
+                               loss_fn(), BATCH)
+    try:
+        losses = [float(trainer.train_step(x, y)) for x, y in data]
+        history = trainer.fit(data, epochs=1)
+    finally:
+        trainer.close()
+    assert history[0] == pytest.approx(np.average(losses, weights=sizes))
