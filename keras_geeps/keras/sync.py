@@ -139,6 +139,12 @@ class LayerTable:
         # Under "sum": the change written outside the steps since the pull,
         # measured at the step's pull (`ParameterSync._measure_outside`).
         self.outside_change = None
+        # Pushed with a measured update (the variables hold it): at the
+        # first eager write since, their packed values then, so that the
+        # next pull can tell the write from the step's own update (the
+        # layer-wise trainer's steps pull at their start, not their end).
+        self.measured_push = False
+        self.before_write = None
         self.pulled_shared = None  # the pulled shard rows, if shared
         self._reads = _BufferPair(layout.total_size, table.dtype)
         self._uploads = _BufferPair(layout.total_size, table.dtype)
@@ -348,8 +354,15 @@ class ParameterSync:
         callback's `set_weights` during `fit` reaches the shards as it
         would without capture (`_tf_hooks`). No-op for other variables."""
         layer = self._layer_of.get(id(variable))
-        if layer is not None:
-            layer.written_outside = True
+        if layer is None:
+            return
+        layer.written_outside = True
+        if layer.snapshot_stale and layer.measured_push and \
+                layer.before_write is None:
+            try:  # (the write itself comes after this)
+                layer.before_write = ops.pack(layer.variables, layer.layout)
+            except tf.errors.InvalidArgumentError:
+                pass  # a staged layer's empty variables: nothing to keep
 
     def note_traced_write(self, variable):
         """Notes a write to `variable` traced into a function outside the
@@ -710,8 +723,9 @@ class ParameterSync:
         # A full pull ends training: no step would carry the write, which
         # stays the worker's where no fresh rows come (and goes where they
         # do: every worker then holds the same rows).
-        written = self._write_since_pull(layer) \
-            if values is None and not full else None
+        written = self._write_since_pull(layer, values) \
+            if not full else None
+        layer.before_write = None
         clock = table.clock + self.client.slack if full or current \
             else None
         # Not under self.lock: the push this pull may be waiting for can
@@ -778,6 +792,11 @@ class ParameterSync:
         layer.snapshot = snapshot
         layer.snapshot_stale = False
         self.pull_seconds += time.perf_counter() - started
+        if values is not None and written is not None:
+            # (the host copies take it, for the next push to carry)
+            layer.outside_change = written \
+                if self.outside_scale != self.scale else None
+            return snapshot + written
         return snapshot
 
     def _pull_all_op(self):
@@ -836,11 +855,18 @@ class ParameterSync:
         ops.unpack(own, layer.variables, layer.layout)
         return own
 
-    def _write_since_pull(self, layer):
-        """What was written into `layer`'s variables outside the steps
-        since its last pull, when that can be told from the rest: no push
-        since (its own update would be in it too) and no restart (whose
-        pull replaces what was set between fits). Else None."""
+    def _write_since_pull(self, layer, values=None):
+        """What was written into `layer`'s variables (or `values`, the
+        memory manager's host copies of them) outside the steps since its
+        last pull, when that can be told from the rest: no push since (its
+        own update would be in it too) or the values before the first
+        write after a measured push (`before_write`), and no restart
+        (whose pull replaces what was set between fits). Else None."""
+        if layer.before_write is not None:
+            return ops.pack(layer.variables if values is None else values,
+                            layer.layout, snapshot=layer.before_write)
+        if values is not None:
+            return None
         if not (layer.written_outside or layer.written_by_functions) or \
                 layer.snapshot is None or layer.snapshot_stale or \
                 layer.pulled_ages is None:
@@ -1013,6 +1039,7 @@ class ParameterSync:
             self.client.update(table, rows, copy=False)
             self.client.clock([table])
         layer.snapshot_stale = True
+        layer.measured_push = update is None
         layer.written_outside = False
         self.push_seconds += time.perf_counter() - started
 

@@ -97,6 +97,41 @@ def test_every_predict_on_staged_layers_is_refused_until_synced(
         strategy.close()
 
 
+@pytest.mark.parametrize("staged", [True, False],
+                         ids=["staged", "resident"])
+def test_weights_set_between_steps_are_what_the_next_step_trains_from(
+        thread_cluster, staged):
+    """Each step pulls at its start: after a step's push a write between
+    steps (set_weights, load_weights, pruning) could not be told from the
+    step's own update, and the next pull put the shards' rows back over
+    it, staged layers and resident ones alike. With a learning rate of 0
+    the weights set are what the shards end with."""
+    data = batches((WIDTH,), 10, steps=2)
+    budget = param_bytes(mlp()) // 4 if staged else None
+    strategy = keras_geeps.GeePSStrategy(
+        client=thread_cluster(1, 1).client(0, timeout=30),
+        device_memory_budget=budget)
+    try:
+        with strategy.scope():
+            model = mlp()
+        trainer = strategy.layerwise_trainer(
+            model, keras.optimizers.SGD(0.0), loss_fn(), BATCH)
+        assert any(trainer.plan.staged) == staged
+        trainer.train_step(*data[0])
+        written = [np.full_like(w, 0.5) for w in model.get_weights()]
+        model.set_weights(written)
+        trainer.train_step(*data[1])
+        strategy.sync()
+        # (the write travels as a difference: float32 rounding)
+        for mine, expected in zip(model.get_weights(), written):
+            np.testing.assert_allclose(mine, expected, atol=1e-6)
+        rows = np.concatenate([strategy.client.read(t.table).reshape(-1)
+                               for t in strategy.parameter_sync.tables])
+        np.testing.assert_allclose(rows, 0.5, atol=1e-6)
+    finally:
+        strategy.close()
+
+
 def run_alone(cluster, budget, data):
     """Worker 0 of 2 trains under SSP "average" with a slack of the whole
     run: worker 1 never clocks, so no pull brings fresh rows, and each
