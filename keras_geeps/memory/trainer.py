@@ -154,15 +154,38 @@ def _written_variables(concrete, variables):
     return written
 
 
+def _config_of(optimizer):
+    """`optimizer.get_config()`, but for its learning rate: a schedule
+    need not be serializable, as `model.fit` needs none (the copies share
+    the schedule itself, `_clone_optimizer`)."""
+    import keras  # noqa: PLC0415
+    rate = getattr(optimizer, "_learning_rate", None)
+    if not isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        return optimizer.get_config()
+    optimizer._learning_rate = 0.001
+    try:
+        return optimizer.get_config()
+    finally:
+        optimizer._learning_rate = rate
+
+
 def _clone_optimizer(optimizer):
-    config = optimizer.get_config()
+    config = _config_of(optimizer)
     if config.get("global_clipnorm"):
         raise ValueError("global_clipnorm spans every layer; the layer-wise "
                          "trainer updates each layer on its own: use clipnorm")
     if type(optimizer).__name__ == "LossScaleOptimizer":
         raise ValueError("LossScaleOptimizer is not supported by the "
                          "layer-wise trainer")
+    rate = getattr(optimizer, "_learning_rate", None)
+    if rate is not None:  # (a custom schedule need not round-trip)
+        config = dict(config, learning_rate=0.001)
     clone = type(optimizer).from_config(config)
+    if rate is not None:
+        # The given optimizer's rate variable, or its schedule (called with
+        # each copy's step count, which follows the given one's): setting
+        # `optimizer.learning_rate` between steps reaches every copy.
+        clone._learning_rate = rate
     # `exclude_from_weight_decay()` is no part of the config. What it set
     # names variables (by their key, the same for every copy) or a pattern
     # of their names: each copy excludes the same ones.
@@ -542,7 +565,9 @@ class LayerwiseTrainer:
     output's mask weights the loss), as in the model. Layer regularisation
     losses are not added to the loss; the optimizer is copied per layer,
     from its config and its `exclude_from_weight_decay` settings (so
-    `global_clipnorm` and `LossScaleOptimizer` are refused). Each copy
+    `global_clipnorm` and `LossScaleOptimizer` are refused), sharing its
+    learning rate (variable or schedule: setting `optimizer.learning_rate`
+    between steps reaches every copy). Each copy
     starts from the optimizer's state (its step count and the layer's
     slots, where it has taken steps or is built, as under `model.fit`; one
     built for other variables, or whose state cannot be told apart by

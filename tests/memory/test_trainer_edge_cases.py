@@ -829,3 +829,47 @@ def test_fit_reports_each_epochs_loss_over_its_samples():
     finally:
         trainer.close()
     assert history[0] == pytest.approx(np.average(losses, weights=sizes))
+
+
+class _Warmup(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule with no get_config, as model.fit takes it."""
+
+    def __call__(self, step):
+        return 0.1 * tf.minimum(1.0, tf.cast(step + 1, "float32") / 3.0)
+
+
+def test_the_given_optimizers_learning_rate_is_every_layers():
+    """Each layer's copy was made from the config: setting the given
+    optimizer's learning_rate between steps (the only way to change it,
+    fit's callbacks being refused under a budget) changed nothing, and a
+    schedule with no get_config (fine for fit) raised
+    NotImplementedError."""
+    data = batches((SMALL,), 10, steps=3)
+    model = small_mlp()
+    optimizer = keras.optimizers.SGD(0.1)
+    trainer = LayerwiseTrainer(model, optimizer, loss_fn(), BATCH)
+    try:
+        trainer.train_step(*data[0])
+        optimizer.learning_rate = 0.0
+        trainer.materialize()
+        before = model.get_weights()
+        trainer.train_step(*data[1])
+        trainer.materialize()
+        assert_same(model.get_weights(), before)
+    finally:
+        trainer.close()
+    expected = keras_reference(small_mlp, data,
+                               keras.optimizers.SGD(_Warmup()))
+    model = small_mlp()
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(_Warmup()),
+                               loss_fn(), BATCH,
+                               device_memory_budget=minimum_budget(
+                                   small_mlp))
+    try:
+        for x, y in data:
+            trainer.train_step(x, y)
+        trainer.materialize()
+        for mine, theirs in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
+    finally:
+        trainer.close()
