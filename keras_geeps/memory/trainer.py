@@ -418,11 +418,14 @@ class _Unit:
         return tape, y, y_mask
 
     def tape_gradient(self, tape, x, y, dy):
+        """(dx, [the parameters' gradients]): a parameter the output does
+        not depend on gets None, which the optimizer skips as Keras' `fit`
+        does (a zero would still decay it and move its moments)."""
         sources = ([x] if self.want_dx else []) + self.tf_params
-        grads = tape.gradient(y, sources, output_gradients=dy,
-                              unconnected_gradients="zero")
+        grads = tape.gradient(y, sources, output_gradients=dy)
         if self.want_dx:
-            return grads[0], grads[1:]
+            dx = grads[0] if grads[0] is not None else tf.zeros_like(x)
+            return dx, grads[1:]
         return None, grads
 
     def _backward_explicit(self, x, y, dy):
@@ -1132,8 +1135,9 @@ class LayerwiseTrainer:
             del xi, dy
             self._drop(i + 1)
             if unit.has_params:
-                if gradients is not None:
-                    gradients[i] = list(grads)
+                if gradients is not None:  # (all of them, zeros too)
+                    gradients[i] = [tf.zeros_like(p) if g is None else g
+                                    for g, p in zip(grads, unit.tf_params)]
                 elif grads is not None:
                     unit.apply(grads)
                 if plan.staged[i]:

@@ -873,3 +873,56 @@ def test_the_given_optimizers_learning_rate_is_every_layers():
             np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
     finally:
         trainer.close()
+
+
+class _WithUnused(keras.layers.Layer):
+    """Scales its input by `w`; `unused` takes no gradient (a weight used
+    only elsewhere, or a leftover)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=(shape[-1],), initializer="ones",
+                                 name="w")
+        self.unused = self.add_weight(shape=(4,), initializer="ones",
+                                      name="unused")
+
+    def call(self, x):
+        return x * self.w
+
+
+def with_unused():
+    keras.utils.set_random_seed(2)
+    return keras.Sequential([keras.Input((SMALL,)),
+                             keras.layers.Dense(SMALL, activation="relu"),
+                             _WithUnused(name="scaled"),
+                             keras.layers.Dense(10)])
+
+
+def test_a_weight_with_no_gradient_is_left_alone_as_keras_leaves_it():
+    """Unconnected gradients were zeros: AdamW still decayed the unused
+    weight (0.985 where Keras keeps 1.0) and moved its moments."""
+    data = batches((SMALL,), 10)
+
+    def optimizer():
+        return keras.optimizers.AdamW(0.01, weight_decay=0.5)
+
+    expected = keras_reference(with_unused, data, optimizer())
+    probe = LayerwiseTrainer(with_unused(), optimizer(), loss_fn(), BATCH)
+    try:  # (AdamW's state makes it more than SGD's)
+        least = plan(probe.sequence).minimum_budget
+    finally:
+        probe.close()
+    for limit in (None, least):
+        model = with_unused()
+        trainer = LayerwiseTrainer(model, optimizer(), loss_fn(), BATCH,
+                                   device_memory_budget=limit)
+        try:
+            for x, y in data:
+                trainer.train_step(x, y)
+            trainer.materialize()
+            np.testing.assert_array_equal(
+                model.get_layer("scaled").unused.numpy(), 1.0)
+            for mine, theirs in zip(model.get_weights(), expected):
+                np.testing.assert_allclose(mine, theirs, rtol=1e-5,
+                                           atol=1e-6)
+        finally:
+            trainer.close()
