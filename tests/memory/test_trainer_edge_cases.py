@@ -744,18 +744,25 @@ def test_a_loss_scale_factor_scales_the_loss_as_keras_does():
             reference.trainable_variables)
     expected = reference.get_weights()
     for limit in (None, budget):
-        model = small_mlp()
-        trainer = LayerwiseTrainer(model, optimizer(), loss_fn(), BATCH,
-                                   device_memory_budget=limit)
-        try:
-            for x, y in data:
-                trainer.train_step(x, y)
-            trainer.materialize()
-            for mine, theirs in zip(model.get_weights(), expected):
-                np.testing.assert_allclose(mine, theirs, rtol=1e-6,
-                                           atol=1e-7)
-        finally:
-            trainer.close()
+        _trained_as(small_mlp, optimizer(), data, limit, expected)
+
+
+def _trained_as(build, optimizer, data, limit, expected, rtol=1e-6,
+                atol=1e-7):
+    """Trains `build()` on `data` with `optimizer` under the budget
+    `limit`, checks its weights against `expected`; returns the model."""
+    model = build()
+    trainer = LayerwiseTrainer(model, optimizer, loss_fn(), BATCH,
+                               device_memory_budget=limit)
+    try:
+        for x, y in data:
+            trainer.train_step(x, y)
+        trainer.materialize()
+        for mine, theirs in zip(model.get_weights(), expected):
+            np.testing.assert_allclose(mine, theirs, rtol=rtol, atol=atol)
+    finally:
+        trainer.close()
+    return model
 
 
 def test_a_plain_callable_or_named_loss_is_wrapped_as_compile_wraps_it():
@@ -860,19 +867,8 @@ def test_the_given_optimizers_learning_rate_is_every_layers():
         trainer.close()
     expected = keras_reference(small_mlp, data,
                                keras.optimizers.SGD(_Warmup()))
-    model = small_mlp()
-    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(_Warmup()),
-                               loss_fn(), BATCH,
-                               device_memory_budget=minimum_budget(
-                                   small_mlp))
-    try:
-        for x, y in data:
-            trainer.train_step(x, y)
-        trainer.materialize()
-        for mine, theirs in zip(model.get_weights(), expected):
-            np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-7)
-    finally:
-        trainer.close()
+    _trained_as(small_mlp, keras.optimizers.SGD(_Warmup()), data,
+                minimum_budget(small_mlp), expected)
 
 
 class _WithUnused(keras.layers.Layer):
@@ -912,17 +908,7 @@ def test_a_weight_with_no_gradient_is_left_alone_as_keras_leaves_it():
     finally:
         probe.close()
     for limit in (None, least):
-        model = with_unused()
-        trainer = LayerwiseTrainer(model, optimizer(), loss_fn(), BATCH,
-                                   device_memory_budget=limit)
-        try:
-            for x, y in data:
-                trainer.train_step(x, y)
-            trainer.materialize()
-            np.testing.assert_array_equal(
-                model.get_layer("scaled").unused.numpy(), 1.0)
-            for mine, theirs in zip(model.get_weights(), expected):
-                np.testing.assert_allclose(mine, theirs, rtol=1e-5,
-                                           atol=1e-6)
-        finally:
-            trainer.close()
+        model = _trained_as(with_unused, optimizer(), data, limit, expected,
+                            rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(
+            model.get_layer("scaled").unused.numpy(), 1.0)
