@@ -169,6 +169,20 @@ def _config_of(optimizer):
         optimizer._learning_rate = rate
 
 
+def _warn_of_regularizers(layers):
+    """Warns that the layers' regularizers (kernel, bias, activity...) are
+    not added to the loss, which `model.fit` would add."""
+    named = [f"{layer.name}.{attr}" for layer in layers
+             for attr, value in vars(layer).items()
+             if attr.endswith("regularizer") and value is not None]
+    if named:
+        warnings.warn(
+            f"the layer-wise trainer does not add regularisation losses to "
+            f"the loss (model.fit would): {', '.join(named[:4])}"
+            f"{' and more' if len(named) > 4 else ''} are ignored",
+            stacklevel=3)
+
+
 def _clone_optimizer(optimizer):
     config = _config_of(optimizer)
     if config.get("global_clipnorm"):
@@ -672,6 +686,7 @@ class LayerwiseTrainer:
         self.sync = sync
         self.layers = chain_layers(model)
         self._verify_chain()
+        _warn_of_regularizers(self.layers)
         self._input_dtype = tf.as_dtype(model.inputs[0].dtype)
         fixed = _fixed_bytes(self.layers)
         self.store = HostStore()

@@ -912,3 +912,17 @@ def test_a_weight_with_no_gradient_is_left_alone_as_keras_leaves_it():
                             rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(
             model.get_layer("scaled").unused.numpy(), 1.0)
+
+
+def test_regularizers_the_trainer_leaves_out_are_named():
+    """Layer regularisation losses are not added (documented), but the
+    trainer said nothing: training came out silently unlike fit's."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([
+        keras.Input((SMALL,)),
+        keras.layers.Dense(SMALL, kernel_regularizer="l2", name="decayed"),
+        keras.layers.Dense(10, name="out")])
+    with pytest.warns(UserWarning, match="does not add regularisation "
+                                         "losses.*decayed.kernel_regularizer"):
+        trainer = LayerwiseTrainer(model, "sgd", loss_fn(), BATCH)
+    trainer.close()
