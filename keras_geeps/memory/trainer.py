@@ -82,6 +82,9 @@ _WEIGHT_READERS = ("get_weights", "save_weights", "save", "set_weights",
 # is written or read) goes through the last two.
 _LAYER_WEIGHT_READERS = ("get_weights", "set_weights", "save_own_variables",
                          "load_own_variables")
+# A trainer of its own (no strategy) materializes for these too; under a
+# strategy they ask for strategy.sync() first (the shards' latest values).
+_LOCAL_READERS = ("predict", "evaluate", "predict_on_batch", "test_on_batch")
 
 
 def _non_trainable_by_layer(layers):
@@ -1286,15 +1289,17 @@ class LayerwiseTrainer:
 
     def _guard_model(self):
         """Makes the model's weight readers and writers (`_WEIGHT_READERS`,
-        and each staged layer's `_LAYER_WEIGHT_READERS`) call
+        with no strategy also `_LOCAL_READERS`, and each staged layer's
+        `_LAYER_WEIGHT_READERS`) call
         `materialize()` first: between steps a staged layer's variables are
         empty, and reading them would return (or write) empty weights."""
         self._guarded = []
         owners = [self.model] + [u.layer for u in self.units
                                  if self.plan.staged[u.index]]
         for owner in owners:
-            names = _WEIGHT_READERS if owner is self.model else \
-                _LAYER_WEIGHT_READERS
+            names = _LAYER_WEIGHT_READERS if owner is not self.model else \
+                _WEIGHT_READERS + (_LOCAL_READERS if self.sync is None
+                                   else ())
             for name in names:
                 original = getattr(owner, name, None)
                 if original is None or name in vars(owner):

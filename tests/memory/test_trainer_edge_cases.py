@@ -926,3 +926,27 @@ def test_regularizers_the_trainer_leaves_out_are_named():
                                          "losses.*decayed.kernel_regularizer"):
         trainer = LayerwiseTrainer(model, "sgd", loss_fn(), BATCH)
     trainer.close()
+
+
+def test_a_trainers_own_model_predicts_and_evaluates_between_steps():
+    """With no strategy, get_weights and the savers materialized the
+    staged layers, but predict and evaluate ran on their empty variables
+    ('In[1] ndims must be >= 2 [Op:MatMul]')."""
+    data = batches((SMALL,), 10)
+    model = small_mlp()
+    model.compile(loss=loss_fn(), jit_compile=False)
+    trainer = LayerwiseTrainer(model, keras.optimizers.SGD(0.1), loss_fn(),
+                               BATCH, device_memory_budget=minimum_budget(
+                                   small_mlp))
+    try:
+        assert any(trainer.plan.staged)
+        x, y = data[0]
+        trainer.train_step(x, y)
+        predicted = model.predict(x, verbose=0)
+        loss = model.evaluate(x, y, verbose=0)
+        trainer.train_step(*data[1])
+        assert np.isfinite(model.predict_on_batch(x)).all()
+        trainer.materialize()
+    finally:
+        trainer.close()
+    assert predicted.shape == (BATCH, 10) and np.isfinite(loss)
