@@ -85,7 +85,14 @@ def test_a_shard_stops_cleanly_on_a_hang_up():
     """Shards share the launcher's process group: a closed terminal's
     SIGHUP killed them outright, without their last checkpoint."""
     output = io.StringIO()
-    shard = ShardProcess(0, 1, 1, output=output)
+    # A test run under nohup ignores SIGHUP, which the shard would inherit
+    # (and keep ignoring, as it should): a handler here is reset to the
+    # default in the child.
+    before = signal.signal(signal.SIGHUP, lambda *_: None)
+    try:
+        shard = ShardProcess(0, 1, 1, output=output)
+    finally:
+        signal.signal(signal.SIGHUP, before)
     try:
         shard.process.send_signal(signal.SIGHUP)
         assert shard.process.wait(30) == 0
