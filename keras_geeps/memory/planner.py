@@ -88,9 +88,10 @@ class MemoryPlan:
         staged: per unit, True when its table is staged (host-resident).
         offloaded: per unit, True when its input activation is offloaded.
         modes: per unit, how its backward runs: "explicit", "taped" (the
-            forward's tape is kept) or "recompute" (its forward is run
+            forward's tape is kept), "recompute" (its forward is run
             again from its saved input, because its parameters or input
-            left the device).
+            left the device) or "none" (before the first layer with
+            parameters: no gradient reaches it).
         resident_bytes: tables (parameters + optimizer state) kept on the
             device, plus every non-trainable variable (frozen layers,
             BatchNorm statistics: never staged, `fixed_bytes`).
@@ -311,10 +312,13 @@ def _traffic(sequence, staged, offloaded):
 
 def _modes(sequence, staged, offloaded):
     units = sequence.units
+    first = sequence.first_with_params
     modes = []
     for u in units:
         i = u.index
-        if u.backward == "explicit":
+        if i < first:  # no gradient reaches it: no backward at all
+            modes.append("none")
+        elif u.backward == "explicit":
             modes.append("explicit")
         elif staged[i] or offloaded[i] or (i + 1 < len(units)
                                            and offloaded[i + 1]):

@@ -267,3 +267,27 @@ def test_the_minimum_budget_is_the_searchs_and_says_so():
     better = plan(seq, 8500, offload_activations=["act"])
     assert better.device_bytes == 8500 and better.offloaded == [False, True]
     assert "greedy" in plan.__doc__ and "greedy" in MemoryBudgetError.__doc__
+
+
+def test_layers_before_the_first_with_parameters_have_no_backward_mode():
+    """A Flatten and a Dropout before the first Dense have no backward (no
+    gradient reaches them), but the plan called them "taped" or
+    "recompute" and counted them in recomputed_layers."""
+    import keras  # noqa: PLC0415
+
+    from keras_geeps.memory.trainer import LayerwiseTrainer  # noqa: PLC0415
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([
+        keras.Input((4, 8)), keras.layers.Flatten(name="flat"),
+        keras.layers.Dropout(0.1, name="drop"),
+        keras.layers.Dense(16, activation="gelu", name="d1"),
+        keras.layers.Dense(3, name="out")])
+    trainer = LayerwiseTrainer(model, "sgd", "mse", 8,
+                               device_memory_budget=10 ** 6,
+                               offload_activations=["d1"])
+    try:
+        assert trainer.plan.modes == ["none", "none", "recompute",
+                                      "explicit"]
+        assert trainer.plan.figures()["recomputed_layers"] == 1
+    finally:
+        trainer.close()
