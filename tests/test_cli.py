@@ -13,6 +13,7 @@ import pytest
 
 from keras_geeps.auth import keygen
 from keras_geeps.launch import LocalCluster, check_restarts, launch
+from tests.processes import alive, launch_one_worker
 
 
 def _cli(*args, timeout=60):
@@ -414,27 +415,13 @@ def test_launch_gives_every_worker_the_same_tf_config(tmp_path):
 
 
 def test_sigterm_to_the_launcher_stops_its_workers(tmp_path):
-    pid_file = tmp_path / "pid"
-    script = tmp_path / "w.py"
-    script.write_text(
-        "import os, sys, time\n"
-        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-        "time.sleep(120)\n")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "keras_geeps", "launch", "--workers", "1",
-         "--shards", "1", "--", sys.executable, str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher, worker = launch_one_worker(tmp_path, 120)
     try:
-        deadline = time.monotonic() + 60
-        while not (pid_file.exists() and pid_file.read_text()):
-            assert time.monotonic() < deadline and launcher.poll() is None
-            time.sleep(0.1)
-        worker = int(pid_file.read_text())
         launcher.send_signal(signal.SIGTERM)
         out, _ = launcher.communicate(timeout=30)
         assert launcher.returncode == 128 + signal.SIGTERM, out
         assert "stopped by signal" in out
-        assert not _alive(worker)
+        assert not alive(worker)
     finally:
         launcher.kill()
 
@@ -510,15 +497,6 @@ def test_keygen_refuses_names_that_are_paths_and_writes_nothing(tmp_path):
             keygen(str(keys), name)
     assert not keys.exists()
     assert _cli("keygen", str(keys), "w.0_a-1").returncode == 0
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
-        return f.read().split(") ")[1][0] != "Z"
 
 
 def test_launch_aligns_checkpoints_before_restoring_a_whole_job(tmp_path):

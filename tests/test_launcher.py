@@ -7,7 +7,6 @@ launcher failed before.
 import io
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -15,26 +14,7 @@ import pytest
 
 from keras_geeps import launch as launch_module
 from keras_geeps.launch import ShardProcess, check_restarts, launch
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_for(path, timeout=60):
-    deadline = time.monotonic() + timeout
-    while not (path.exists() and path.read_text().strip()):
-        assert time.monotonic() < deadline, f"no {path} within {timeout} s"
-        time.sleep(0.05)
-    return path.read_text().strip()
+from tests.processes import alive, launch_one_worker, wait_for_file
 
 
 def test_a_stop_signal_during_a_spawn_waits_until_the_child_is_recorded():
@@ -60,19 +40,10 @@ def test_a_stop_signal_during_a_spawn_waits_until_the_child_is_recorded():
 def test_a_launcher_under_nohup_goes_on_after_a_hang_up(tmp_path):
     """The launcher replaced an inherited SIG_IGN of SIGHUP: `nohup
     keras-geeps launch ...` stopped the job at logout."""
-    pid_file = tmp_path / "pid"
-    script = tmp_path / "w.py"
-    script.write_text(
-        "import os, time\n"
-        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-        "time.sleep(2)\n")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "keras_geeps", "launch", "--workers", "1",
-         "--shards", "1", "--", sys.executable, str(script)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    launcher, _ = launch_one_worker(
+        tmp_path, 2,
         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     try:
-        _wait_for(pid_file)
         launcher.send_signal(signal.SIGHUP)
         out, _ = launcher.communicate(timeout=60)
         assert launcher.returncode == 0, out
@@ -134,7 +105,7 @@ def test_what_a_worker_leaves_running_is_killed_with_the_job(tmp_path):
                                  f"echo $! > {pid_file}"],
                   num_workers=1, num_shards=1, output=io.StringIO())
     assert code == 0
-    assert not _alive(int(_wait_for(pid_file)))
+    assert not alive(int(wait_for_file(pid_file)))
 
 
 def test_a_worker_killed_by_a_signal_is_reported_as_128_plus_its_number(

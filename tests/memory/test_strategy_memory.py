@@ -70,22 +70,32 @@ def test_fit_is_refused_and_too_small_a_budget_named(thread_cluster):
         strategy.close()
 
 
-def test_every_predict_on_staged_layers_is_refused_until_synced(
-        thread_cluster):
-    """The check that the staged layers are back on the device ran only
-    when predict's step was traced: a predict after a later train step
-    (the layers staged out again) reused the trace and failed inside the
-    pull op, on variables of 0 elements, naming nothing to do."""
-    budget = param_bytes(mlp()) // 4
+def _one_worker_trainer(thread_cluster, budget, optimizer):
+    """(strategy, its mlp(), the layer-wise trainer of it) of the only
+    worker of one thread shard, under `budget`."""
     strategy = keras_geeps.GeePSStrategy(
         client=thread_cluster(1, 1).client(0, timeout=30),
         device_memory_budget=budget)
     try:
         with strategy.scope():
             model = mlp()
+        return strategy, model, strategy.layerwise_trainer(
+            model, optimizer, loss_fn(), BATCH)
+    except BaseException:
+        strategy.close()
+        raise
+
+
+def test_every_predict_on_staged_layers_is_refused_until_synced(
+        thread_cluster):
+    """The check that the staged layers are back on the device ran only
+    when predict's step was traced: a predict after a later train step
+    (the layers staged out again) reused the trace and failed inside the
+    pull op, on variables of 0 elements, naming nothing to do."""
+    strategy, model, trainer = _one_worker_trainer(
+        thread_cluster, param_bytes(mlp()) // 4, keras.optimizers.SGD(0.05))
+    try:
         model.compile(loss=loss_fn(), jit_compile=False)
-        trainer = strategy.layerwise_trainer(
-            model, keras.optimizers.SGD(0.05), loss_fn(), BATCH)
         (x, y), = batches((WIDTH,), 10, steps=1)
         for _ in range(2):
             trainer.train_step(x, y)
@@ -107,15 +117,10 @@ def test_weights_set_between_steps_are_what_the_next_step_trains_from(
     it, staged layers and resident ones alike. With a learning rate of 0
     the weights set are what the shards end with."""
     data = batches((WIDTH,), 10, steps=2)
-    budget = param_bytes(mlp()) // 4 if staged else None
-    strategy = keras_geeps.GeePSStrategy(
-        client=thread_cluster(1, 1).client(0, timeout=30),
-        device_memory_budget=budget)
+    strategy, model, trainer = _one_worker_trainer(
+        thread_cluster, param_bytes(mlp()) // 4 if staged else None,
+        keras.optimizers.SGD(0.0))
     try:
-        with strategy.scope():
-            model = mlp()
-        trainer = strategy.layerwise_trainer(
-            model, keras.optimizers.SGD(0.0), loss_fn(), BATCH)
         assert any(trainer.plan.staged) == staged
         trainer.train_step(*data[0])
         written = [np.full_like(w, 0.5) for w in model.get_weights()]

@@ -10,26 +10,27 @@ import numpy as np
 
 def wait_for_checkpoint(client, table, clock, timeout=30):
     """Waits until the shard holding `table` wrote it at `clock` or later."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = client.shard_stats()[table.parts[0][0]]
-        if stats["tables"][str(table.id)]["ckpt_clock"] >= clock:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no checkpoint of {table.name!r} at clock {clock}")
+    _wait_for_written(client, table.parts[0][0], lambda tables: tables[
+        str(table.id)]["ckpt_clock"] >= clock, f"{table.name!r} at clock "
+        f"{clock}", timeout)
 
 
 def wait_for_shard_checkpoint(client, shard, clock, timeout=30):
     """Waits until `shard` wrote every table it holds at `clock` or later
     (a test that kills it then knows what it is restored from)."""
+    _wait_for_written(client, shard, lambda tables: tables and all(
+        t["ckpt_clock"] >= clock for t in tables.values()),
+        f"shard {shard}'s tables at clock {clock}", timeout)
+
+
+def _wait_for_written(client, shard, written, what, timeout):
+    """Polls `shard`'s table stats until `written(them)` holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        tables = client.shard_stats()[shard]["tables"].values()
-        if tables and all(t["ckpt_clock"] >= clock for t in tables):
+        if written(client.shard_stats()[shard]["tables"]):
             return
         time.sleep(0.05)
-    raise AssertionError(f"shard {shard} wrote no checkpoint at clock "
-                         f"{clock} within {timeout} s")
+    raise AssertionError(f"no checkpoint of {what} within {timeout} s")
 
 
 def ask_across_a_restart(client, cluster, ask):
