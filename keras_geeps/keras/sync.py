@@ -783,8 +783,7 @@ class ParameterSync:
             # stays, on the fresh rows, for the next push to carry.
             ops.unpack(snapshot + written, layer.variables, layer.layout)
             layer.written_outside = True
-            layer.outside_change = written \
-                if self.outside_scale != self.scale else None
+            layer.outside_change = self._scaled_apart(written)
         elif values is None:
             ops.unpack(snapshot, layer.variables, layer.layout)
             layer.written_outside = False
@@ -794,10 +793,15 @@ class ParameterSync:
         self.pull_seconds += time.perf_counter() - started
         if values is not None and written is not None:
             # (the host copies take it, for the next push to carry)
-            layer.outside_change = written \
-                if self.outside_scale != self.scale else None
+            layer.outside_change = self._scaled_apart(written)
             return snapshot + written
         return snapshot
+
+    def _scaled_apart(self, written):
+        """What of a write since the last pull the next push sends at
+        `outside_scale` (`_send`): None where that is the push's own scale,
+        which then carries the write with the rest of the update."""
+        return written if self.outside_scale != self.scale else None
 
     def _pull_all_op(self):
         try:
