@@ -258,6 +258,69 @@ def test_mismatched_shapes_are_invalid_argument(device):
             tf.zeros([1, 3]))
 
 
+def test_a_table_with_no_rows_is_refused_before_the_output_is_made():
+    """Every index is out of range; [n, width] need not even be a shape
+    (4 x 2**62 elements overflows): an error naming it, not an abort."""
+    empty = tf.zeros([0, 2 ** 62])
+    for table, what in ((empty, "params"), (tf.Variable(empty), "variable")):
+        with pytest.raises(INVALID, match=f"indices has 4 entries but .*"
+                                          f"{what} has no rows"):
+            ops.gather_rows(table, [0, 0, 0, 0])
+    assert ops.gather_rows(empty, tf.zeros([0], tf.int32)).shape == \
+        (0, 2 ** 62)
+
+
+def _unaligned(values, keep, offset=16):
+    """`values` copied `offset` bytes past a 64-byte boundary (numpy's
+    allocator promises 16) and seen by TensorFlow there, through DLPack;
+    `keep` holds the memory."""
+    values = np.asarray(values)
+    raw = np.zeros(values.nbytes + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    array = raw[start:start + values.nbytes].view(values.dtype)
+    array = array.reshape(values.shape)
+    array[...] = values
+    keep.append(array)
+    return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
+
+
+def test_inputs_from_dlpack_need_no_64_byte_alignment():
+    """Eigen's flat<T>() aborts the process on such memory: every input is
+    read through its plain pointer, against numpy."""
+    rng = np.random.default_rng(8)
+    keep = []
+    table = _ints(rng, (5, 3))
+    indices = np.array([4, 0, 4], np.int32)
+    got = ops.gather_rows(_unaligned(table, keep), _unaligned(indices, keep))
+    np.testing.assert_array_equal(got.numpy(), table[indices])
+    variable = tf.Variable(table)
+    updates = _ints(rng, (3, 3))
+    ops.scatter_add_rows(variable, _unaligned(indices, keep),
+                         _unaligned(updates, keep))
+    want = table.copy()
+    np.add.at(want, indices, updates)
+    np.testing.assert_array_equal(variable.numpy(), want)
+
+    variables = [tf.Variable(_ints(rng, s)) for s in [(2, 3), (4,)]]
+    layout = ops.PackLayout(variables)
+    packed = np.concatenate([v.numpy().ravel() for v in variables])
+    snapshot = _ints(rng, (10,))
+    np.testing.assert_array_equal(
+        ops.pack(variables, layout, _unaligned(snapshot, keep)).numpy(),
+        packed - snapshot)
+    values = [_unaligned(v.numpy(), keep) for v in variables]
+    np.testing.assert_array_equal(ops.pack(values, layout).numpy(), packed)
+    out = np.zeros(10, np.float32)
+    ops.pack_tensors_into(values, layout,
+                          tf.experimental.dlpack.from_dlpack(out.__dlpack__()),
+                          _unaligned(np.float32([2, -1]), keep))
+    np.testing.assert_array_equal(out, packed * np.repeat([2, -1], [6, 4]))
+    buffer = _ints(rng, (10,))
+    ops.unpack(_unaligned(buffer, keep), variables, layout)
+    np.testing.assert_array_equal(
+        np.concatenate([v.numpy().ravel() for v in variables]), buffer)
+
+
 def test_shape_functions_check_ranks_when_tracing():
     table = tf.Variable(tf.zeros([4, 3]))
     with pytest.raises(ValueError, match="must be rank 2"):

@@ -33,6 +33,22 @@ namespace geeps {
 using CPUDevice = Eigen::ThreadPoolDevice;
 using GPUDevice = Eigen::GpuDevice;  // a tag only; Eigen's GPU code is unused.
 
+// The elements of an input tensor, read without Tensor::flat<T>()'s check of
+// Eigen's 64-byte alignment: a tensor from DLPack (numpy, shared memory)
+// aliases memory aligned only as its allocator chose, which flat<T>() would
+// abort the process on. The kernels read inputs through plain pointers.
+template <typename T>
+const T* Elements(const Tensor& tensor) {
+  return reinterpret_cast<const T*>(tensor.tensor_data().data());
+}
+
+// An input tensor of shape [rows, width] as a matrix view (as Elements).
+template <typename T>
+typename TTypes<T>::ConstMatrix MatrixElements(const Tensor& tensor) {
+  return typename TTypes<T>::ConstMatrix(
+      Elements<T>(tensor), tensor.dim_size(0), tensor.dim_size(1));
+}
+
 inline absl::Status BadIndexError(int64_t position, int64_t value,
                                   int64_t rows) {
   return absl::InvalidArgumentError(absl::StrCat(

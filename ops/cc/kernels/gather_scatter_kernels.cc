@@ -162,6 +162,13 @@ struct ScatterAddRows<GPUDevice, T, Index> {
 
 namespace {
 
+// The indices, a vector input, as a flat view (as Elements: DLPack memory).
+template <typename Index>
+typename TTypes<Index>::ConstFlat IndexElements(const Tensor& indices) {
+  return typename TTypes<Index>::ConstFlat(Elements<Index>(indices),
+                                           indices.NumElements());
+}
+
 // Gathers rows of `params` into a new output 0; `what` names params in errors.
 template <typename Device, typename T, typename Index>
 void GatherFromMatrix(OpKernelContext* ctx, const Tensor& params,
@@ -178,12 +185,22 @@ void GatherFromMatrix(OpKernelContext* ctx, const Tensor& params,
                   absl::StrCat("indices must be a vector, got shape ",
                                indices.shape().DebugString())));
   const int64_t n = indices.dim_size(0);
+  // Before the output is allocated: with no rows every index is out of
+  // range, and [n, width] of a table with no rows may not even be a shape.
+  OP_REQUIRES(ctx, n == 0 || params.dim_size(0) > 0,
+              absl::InvalidArgumentError(absl::StrCat(
+                  "indices has ", n, " entries but ", what,
+                  " has no rows (shape ", params.shape().DebugString(),
+                  ")")));
+  TensorShape out_shape;
+  OP_REQUIRES_OK(ctx, TensorShape::BuildTensorShape({n, params.dim_size(1)},
+                                                    &out_shape));
   Tensor* out = nullptr;
-  OP_REQUIRES_OK(
-      ctx, ctx->allocate_output(0, TensorShape({n, params.dim_size(1)}), &out));
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &out));
   OP_REQUIRES_OK(ctx, functor::GatherRows<Device, T, Index>()(
-                          ctx, params.matrix<T>(), indices.flat<Index>(),
-                          out->matrix<T>(), check_indices));
+                          ctx, MatrixElements<T>(params),
+                          IndexElements<Index>(indices), out->matrix<T>(),
+                          check_indices));
 }
 
 template <typename Device, typename T, typename Index>
@@ -268,8 +285,8 @@ class ResourceScatterAddRowsOp : public OpKernel {
                                                 /*sparse=*/true));
     OP_REQUIRES_OK(ctx, functor::ScatterAddRows<Device, T, Index>()(
                             ctx, var->tensor()->matrix<T>(),
-                            indices.flat<Index>(), updates.matrix<T>(),
-                            check_indices_));
+                            IndexElements<Index>(indices),
+                            MatrixElements<T>(updates), check_indices_));
   }
 
  private:

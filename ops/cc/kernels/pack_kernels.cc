@@ -278,7 +278,7 @@ class PackOp : public OpKernel {
     if (kDelta) {
       const Tensor& snap = ctx->input(n);
       OP_REQUIRES_OK(ctx, CheckBuffer(snap, "snapshot", total));
-      snapshot = snap.flat<T>().data();
+      snapshot = Elements<T>(snap);
     }
     // Every input is checked against the layout before the output is
     // allocated: a layout that is not the inputs' fails naming the input,
@@ -289,7 +289,7 @@ class PackOp : public OpKernel {
       for (int i = 0; i < n; ++i) {
         OP_REQUIRES_OK(ctx,
                        CheckSegmentSize(i, ctx->input(i).shape(), offsets_));
-        srcs[i] = ctx->input(i).flat<T>().data();
+        srcs[i] = Elements<T>(ctx->input(i));
       }
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &out));
@@ -353,7 +353,7 @@ class UnpackOp : public OpKernel {
       dsts[i] = var->tensor()->flat<T>().data();
     }
     OP_REQUIRES_OK(
-        ctx, functor::UnpackSegments<Device, T>()(ctx, buffer.flat<T>().data(),
+        ctx, functor::UnpackSegments<Device, T>()(ctx, Elements<T>(buffer),
                                                   dsts, offsets_, add_));
   }
 
@@ -361,13 +361,6 @@ class UnpackOp : public OpKernel {
   std::vector<int64_t> offsets_;
   bool add_;
 };
-
-// The elements of a tensor that may come from DLPack: tensor_data(), not
-// flat<T>(), since such memory need not have Eigen's 64-byte alignment.
-template <typename T>
-const T* Elements(const Tensor& tensor) {
-  return reinterpret_cast<const T*>(tensor.tensor_data().data());
-}
 
 // The memory of `out`, an input that aliases caller memory (DLPack): the
 // *Into ops write it by contract.
@@ -461,10 +454,10 @@ class PackTensorsIntoOp : public OpKernel {
       OP_REQUIRES_OK(ctx, CheckSegmentSize(i, ctx->input(i).shape(), offsets_));
       srcs[i] = Elements<T>(ctx->input(i));
     }
-    const auto scale_values = scales.flat<float>();
+    const float* scale_values = Elements<float>(scales);
     functor::ScaleSegments<T>(
         ctx, srcs, offsets_, base, CallerMemory<T>(out),
-        std::vector<float>(scale_values.data(), scale_values.data() + n),
+        std::vector<float>(scale_values, scale_values + n),
         /*add_to_snapshot=*/kBase);
   }
 
