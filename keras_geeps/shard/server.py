@@ -1877,6 +1877,9 @@ class ShardServer:
                   if t.vclock[worker] != t.global_clock
                   or t.updated[worker] >= t.vclock[worker]]
         if not midway:
+            # The new process replays nothing before its start: the old
+            # one's clocks must reach a checkpoint (as a rejoin's do).
+            self._snapshot_clocks_of(worker)
             return self._job_clock()
         table = midway[0]
         self._worker_died(worker, (

@@ -145,3 +145,29 @@ def test_a_rejoined_worker_recovers_from_a_restore(tmp_path):
         _close_all(clients)
     finally:
         cluster.stop()
+
+
+def test_a_worker_replaced_between_clocks_leaves_nothing_to_replay(tmp_path):
+    """Worker 1's process dies after clock 3, before the shard notices,
+    and a new process of it carries on in its place at 3. It holds no
+    updates from before it started, so the shard snapshots at 3 as it
+    takes over: a restore from that checkpoint asks it for nothing it
+    never made, and both go on."""
+    cluster = _cluster(tmp_path, "stop", worker_timeout="60")
+    try:
+        clients, tables = _clients(cluster)
+        for _ in range(3):
+            _step(zip(clients, tables))
+        clients[1]._io.close()  # dies between clocks: no LEAVE
+        clients[1] = cluster.client(1, timeout=15, heartbeat_interval=0.2)
+        tables[1] = clients[1].create_table("t", ROWS, WIDTH)
+        assert tables[1].clock == 3
+        _wait_on_disk(tmp_path, 3)
+        _restart(cluster)
+        _step(zip(clients, tables))
+        for client, table in zip(clients, tables):
+            np.testing.assert_array_equal(client.read(table, clock=4),
+                                          np.full((ROWS, WIDTH), 8))
+        _close_all(clients)
+    finally:
+        cluster.stop()
