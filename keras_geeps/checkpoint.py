@@ -15,10 +15,12 @@ an uncompressed numpy `.npz` archive with
 - `meta`: a uint8 array holding UTF-8 JSON: {"format": 1, "shard_id",
   "num_shards", "num_workers", "tables": {"<table id>": {"spec": {name,
   rows, width, dtype, row_start, row_end[, per_clock: true]}, "clock":
-  C}}, "left": [worker ids]} ("left": the workers whose client had
-  closed, which a restored shard does not wait to hear from; absent in
-  older files: none; "per_clock": only for a per-clock table, see
-  `protocol.PER_CLOCK`);
+  C}}, "left": [worker ids], "dead": [worker ids]} ("left": the workers
+  whose client had closed, which a restored shard does not wait to hear
+  from; "dead": those declared dead, the job going on without them
+  (`--on-worker-failure continue`), whose clocks a restored shard does
+  not wait for; either absent in older files: none; "per_clock": only for
+  a per-clock table, see `protocol.PER_CLOCK`);
 - `table_<id>`: the table's rows on this shard at clock C
   (row_end - row_start rows of `width` elements; bfloat16 stored as its
   uint16 bits).
@@ -93,7 +95,7 @@ def temporary_prefix(shard_id, num_shards):
 
 
 def write(directory, shard_id, num_shards, num_workers, snapshots,
-          left=()):
+          left=(), dead=()):
     """Atomically writes a shard's table snapshots.
 
     Args:
@@ -101,6 +103,8 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
         shard_id, num_shards, num_workers: the shard's place in the job.
         snapshots: {table_id: (spec dict, clock, rows array)}.
         left: ids of the workers that left (closed their client).
+        dead: ids of the workers declared dead, the job going on without
+            them.
 
     Returns:
         The checkpoint file's path.
@@ -110,7 +114,8 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             "num_workers": num_workers, "tables": {
                 str(tid): {"spec": spec, "clock": int(clock)}
                 for tid, (spec, clock, _) in snapshots.items()},
-            "left": sorted(int(w) for w in left)}
+            "left": sorted(int(w) for w in left),
+            "dead": sorted(int(w) for w in dead)}
     arrays = {"meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
     for tid, (spec, _, rows) in snapshots.items():
         if spec["dtype"] == "bfloat16":
@@ -282,7 +287,7 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False,
 
     Returns:
         ({table_id: (spec dict, clock, rows array)}, the set of the
-        workers that had left).
+        workers that had left, the set of those declared dead).
 
     Raises:
         CheckpointError: naming the file and what is wrong with it.
@@ -338,13 +343,21 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False,
                                           f"{rows.shape}, spec says "
                                           f"{expected}")
                 tables[tid] = (spec, clock, rows.copy())
-            left = meta.get("left", [])
-            if not isinstance(left, list) or not all(
-                    isinstance(w, int) and not isinstance(w, bool)
-                    and 0 <= w < num_workers for w in left):
-                raise CheckpointError(f"{path}: left {left!r} is not a list "
-                                      f"of worker ids in [0, {num_workers})")
-            return tables, set(left)
+            gone = {}
+            for key in ("left", "dead"):
+                workers = meta.get(key, [])
+                if not isinstance(workers, list) or not all(
+                        isinstance(w, int) and not isinstance(w, bool)
+                        and 0 <= w < num_workers for w in workers):
+                    raise CheckpointError(
+                        f"{path}: {key} {workers!r} is not a list of "
+                        f"worker ids in [0, {num_workers})")
+                gone[key] = set(workers)
+            if gone["left"] & gone["dead"]:
+                raise CheckpointError(
+                    f"{path}: workers {sorted(gone['left'] & gone['dead'])}"
+                    f" are both left and dead")
+            return tables, gone["left"], gone["dead"]
     except CheckpointError:
         raise
     except Exception as exc:  # zip/npz/JSON errors of many kinds
@@ -469,11 +482,12 @@ def align_job(directory, num_shards, num_workers):
         if set(chosen[shard]) == set(latest[shard]) and \
                 not any(chosen[shard].values()):
             continue  # every table of it as it is
-        tables, left = load_job(directory, shard, num_shards, num_workers)
+        tables, left, dead = load_job(directory, shard, num_shards,
+                                      num_workers)
         before = load_job(directory, shard, num_shards, num_workers,
                           older=True)[0] if any(
                               chosen[shard].values()) else {}
         write(directory, shard, num_shards, num_workers,
               {tid: (before if from_older else tables)[tid]
-               for tid, from_older in chosen[shard].items()}, left)
+               for tid, from_older in chosen[shard].items()}, left, dead)
     return result

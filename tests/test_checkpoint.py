@@ -29,7 +29,8 @@ def written(tmp_path):
         8: (SPECS[8], 10, rng.standard_normal((2, 3)).astype(
             protocol.numpy_dtype("bfloat16"))),
     }
-    path = checkpoint.write(tmp_path, 1, 2, 3, snapshots, left={2})
+    path = checkpoint.write(tmp_path, 1, 2, 3, snapshots, left={2},
+                            dead={0})
     with open(path, "rb") as f:
         return tmp_path, path, f.read(), snapshots
 
@@ -38,11 +39,11 @@ def _outcome(directory, path, snapshots):
     """'same' when the damaged file loads what was written, 'refused'
     when it fails naming the file; anything else fails the test."""
     try:
-        tables, left = checkpoint.load_job(directory, 1, 2, 3)
+        tables, left, dead = checkpoint.load_job(directory, 1, 2, 3)
     except checkpoint.CheckpointError as exc:
         assert str(path) in str(exc), exc
         return "refused"
-    assert left == {2}
+    assert left == {2} and dead == {0}
     assert tables.keys() == snapshots.keys()
     for tid, (spec, clock, rows) in snapshots.items():
         assert tables[tid][0] == spec and tables[tid][1] == clock

@@ -49,13 +49,14 @@ def test_align_takes_each_table_to_the_clock_all_its_shards_hold(tmp_path):
         0: (spec("a", 6, 0, 4), 2, rows_of(2, 4))})
     checkpoint.write(directory, 0, 2, 3, {
         0: (spec("a", 6, 0, 4), 4, rows_of(4, 4)),
-        2: (spec("c", 6, 0, 3), 4, rows_of(40, 3))}, left=[2])
+        2: (spec("c", 6, 0, 3), 4, rows_of(40, 3))}, left=[2], dead=[1])
     checkpoint.write(directory, 1, 2, 3, {
         0: (spec("a", 6, 4, 6), 2, rows_of(2, 2)),
         1: (spec("b", 5, 0, 5), 3, rows_of(3, 5))})
     assert checkpoint.align_job(directory, 2, 3) == {0: 2, 1: 3, 2: None}
-    shard0, left0 = checkpoint.load_job(directory, 0, 2, 3)
-    assert set(shard0) == {0} and shard0[0][1] == 2 and left0 == {2}
+    shard0, left0, dead0 = checkpoint.load_job(directory, 0, 2, 3)
+    assert set(shard0) == {0} and shard0[0][1] == 2
+    assert left0 == {2} and dead0 == {1}  # (carried over)
     np.testing.assert_array_equal(shard0[0][2], rows_of(2, 4))
     shard1 = checkpoint.load(directory, 1, 2, 3)
     assert {t: c for t, (_, c, _) in shard1.items()} == {0: 2, 1: 3}
@@ -278,7 +279,7 @@ def test_tables_moving_one_write_at_a_time_keep_their_own_older(tmp_path):
     np.testing.assert_array_equal(older[1][2], rows_of(12, 3))
     checkpoint.write(directory, 1, 2, 2, {0: (a1, 2, rows_of(2, 2))})
     assert checkpoint.align_job(directory, 2, 2) == {0: 2, 1: 4}
-    shard0, left0 = checkpoint.load_job(directory, 0, 2, 2)
+    shard0, left0, _ = checkpoint.load_job(directory, 0, 2, 2)
     assert {t: c for t, (_, c, _) in shard0.items()} == {0: 2, 1: 4}
     assert left0 == {1}
     np.testing.assert_array_equal(shard0[0][2], rows_of(2, 4))

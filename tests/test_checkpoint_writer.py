@@ -27,15 +27,16 @@ def test_a_write_answers_the_requests_queued_before_it_only(tmp_path):
     rows = np.arange(12, dtype=np.float32).reshape(4, 3)
     writer.request(b"w0", 1)
     assert writer.due()
-    writer.start({0: (SPEC, 5, rows)}, left={1})
+    writer.start({0: (SPEC, 5, rows)}, left={1}, dead={0})
     assert not writer.due()  # one write at a time
     writer.request(b"w1", 2)  # waits for the next write
     assert _finish(writer) == Written({0: 5}, True, [(b"w0", 1)])
     assert writer.requests == [(b"w1", 2)]
     assert writer.left_written == frozenset({1})
+    assert writer.dead_written == frozenset({0})
     assert writer.due() and writer.finished() is None
-    tables, left = checkpoint.load_job(str(tmp_path), 0, 1, 2)
-    assert left == {1}
+    tables, left, dead = checkpoint.load_job(str(tmp_path), 0, 1, 2)
+    assert left == {1} and dead == {0}
     np.testing.assert_array_equal(tables[0][2], rows)
     assert tables[0][1] == 5
 

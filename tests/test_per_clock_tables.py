@@ -126,7 +126,7 @@ def test_a_restored_shard_keeps_a_per_clock_table_and_its_replay(tmp_path):
         for clk in range(5):
             step(clk)
         wait_for_checkpoint(clients[0], clients[0].table("sums"), 4)
-        tables, _ = checkpoint.load_job(str(tmp_path), 0, 1, workers)
+        tables = checkpoint.load(str(tmp_path), 0, 1, workers)
         spec, ckpt_clock, rows = tables[0]
         assert spec["per_clock"] is True and ckpt_clock == 4
         np.testing.assert_array_equal(rows, _sums(4, workers))

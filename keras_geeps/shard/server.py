@@ -1654,10 +1654,11 @@ class ShardServer:
             return
         snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
                      for t in self._tables.values() if t.snapshot is not None}
-        if writer.requests or self._left != writer.left_written or any(
-                clock > self._tables[tid].ckpt_clock
-                for tid, (_, clock, _) in snapshots.items()):
-            writer.start(snapshots, self._left)
+        if writer.requests or self._left != writer.left_written or \
+                self._dead != writer.dead_written or any(
+                    clock > self._tables[tid].ckpt_clock
+                    for tid, (_, clock, _) in snapshots.items()):
+            writer.start(snapshots, self._left, self._dead)
 
     def _watch_workers(self):
         """Declares dead the workers silent for longer than worker_timeout
@@ -1722,7 +1723,7 @@ class ShardServer:
     def _restore(self):
         if self._writer is not None:
             self._writer.remove_leftovers()
-        tables, left = checkpoint.load_job(
+        tables, left, dead = checkpoint.load_job(
             self.settings.checkpoint_dir, self.shard_id, self.num_shards,
             self.num_workers, limits=self._restore_limits)
         for table_id, (spec, clock, rows) in tables.items():
@@ -1738,15 +1739,19 @@ class ShardServer:
             table.restored_clock = clock
             self._tables[table_id] = table
         self._started = time.monotonic()
-        self._left = set(left)
+        self._left, self._dead = set(left), set(dead)
         self._writer.left_written = frozenset(left)
+        self._writer.dead_written = frozenset(dead)
+        for table in self._tables.values():
+            for worker in dead:  # (until it rejoins: a new process of it)
+                table.vclock[worker] = DEAD_CLOCK
         if any(t.global_clock > 0 for t in self._tables.values()):
             # Every worker had finished a clock: the live ones are running
             # and say HELLO within a heartbeat; the silence of the others
             # (one that died with this shard) counts from now.
             self._restored_at = self._started
             for worker in range(self.num_workers):
-                if worker not in self._left:
+                if worker not in self._left and worker not in self._dead:
                     self._last_seen[worker] = self._restored_at
         self.stats["restored_clock"] = min(
             (t.global_clock for t in self._tables.values()), default=-1)
@@ -1812,7 +1817,7 @@ class ShardServer:
         its earlier requests were handled): its silence from now on is no
         death, until another worker goes on past the clocks it finished
         (`_left_behind`). Its HELLO (a new client) makes it a member
-        again. Checkpoints remember who left."""
+        again. Checkpoints remember who left (and who died)."""
         worker = message.worker
         self._left.add(worker)
         self._last_seen.pop(worker, None)

@@ -64,8 +64,9 @@ class CheckpointWriter:
         self.num_shards = num_shards
         self.num_workers = num_workers
         self.requests = []   # (identity, seq) waiting for a write
-        # The workers that left, as the last checkpoint written holds them.
-        self.left_written = frozenset()
+        # The workers that left, and those declared dead, as the last
+        # checkpoint written holds them.
+        self.left_written = self.dead_written = frozenset()
         self._thread = None
         self._covers = 0     # how many of `requests` the write covers
         self._backoff = 0.0  # after failed writes: seconds to wait
@@ -129,16 +130,18 @@ class CheckpointWriter:
         one's backoff has passed."""
         return self._thread is None and time.monotonic() >= self._retry_at
 
-    def start(self, snapshots, left):
-        """Writes `snapshots` ({table id: (spec, clock, rows)}) and the
-        workers that `left` in a thread; it answers every request queued
-        so far."""
-        left = frozenset(left)
+    def start(self, snapshots, left, dead=()):
+        """Writes `snapshots` ({table id: (spec, clock, rows)}), the
+        workers that `left` and those declared `dead` in a thread; it
+        answers every request queued so far."""
+        left, dead = frozenset(left), frozenset(dead)
         thread = threading.Thread(target=self._write,
-                                  args=(snapshots, sorted(left)),
+                                  args=(snapshots, sorted(left),
+                                        sorted(dead)),
                                   daemon=True,
                                   name=f"geeps-ckpt-{self.shard_id}")
-        thread.written, thread.ok, thread.left = {}, False, left
+        thread.written, thread.ok = {}, False
+        thread.left, thread.dead = left, dead
         self._covers = len(self.requests)
         self._thread = thread
         thread.start()
@@ -151,7 +154,7 @@ class CheckpointWriter:
             return None
         self._thread = None
         if thread.ok:
-            self.left_written = thread.left
+            self.left_written, self.dead_written = thread.left, thread.dead
         self._backoff = 0.0 if thread.ok else min(
             WRITER_BACKOFF_MAX_S, max(1.0, 2 * self._backoff))
         self._retry_at = time.monotonic() + self._backoff
@@ -169,11 +172,11 @@ class CheckpointWriter:
             log.error("shard %d: the checkpoint being written did not "
                       "finish within %g s", self.shard_id, timeout)
 
-    def _write(self, snapshots, left):
+    def _write(self, snapshots, left, dead):
         thread = threading.current_thread()
         try:
             checkpoint.write(self.directory, self.shard_id, self.num_shards,
-                             self.num_workers, snapshots, left)
+                             self.num_workers, snapshots, left, dead)
             thread.written = {tid: clock
                               for tid, (_, clock, _) in snapshots.items()}
             thread.ok = True

@@ -74,24 +74,32 @@ def test_checkpoint_write_is_atomic_and_round_trips(tmp_path, monkeypatch):
         checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, clock, rows)})
         with pytest.raises(checkpoint.CheckpointError, match="clock"):
             checkpoint.load(tmp_path, 0, 2, 3)
-    # Who left travels with the tables; older files say nobody did.
-    checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, 10, rows)}, left=[2, 0])
-    assert checkpoint.load_job(tmp_path, 0, 2, 3)[1] == {0, 2}
+    # Who left and who died travel with the tables; older files (neither
+    # key) say nobody did.
+    checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, 10, rows)}, left=[2, 0],
+                     dead=[1])
+    assert checkpoint.load_job(tmp_path, 0, 2, 3)[1:] == ({0, 2}, {1})
     checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, 10, rows)})
-    assert checkpoint.load_job(tmp_path, 0, 2, 3)[1] == set()
-    for bad in ([3], [-1], [True]):
+    assert checkpoint.load_job(tmp_path, 0, 2, 3)[1:] == (set(), set())
+    _rewrite_meta(tmp_path / "shard-0-of-2.ckpt.npz", drop=("left", "dead"))
+    assert checkpoint.load_job(tmp_path, 0, 2, 3)[1:] == (set(), set())
+    for key, bad in [(k, b) for k in ("left", "dead")
+                     for b in ([3], [-1], [True])] + [("dead", [0])]:
         checkpoint.write(tmp_path, 0, 2, 3, {}, left=[0])
-        _rewrite_meta(tmp_path / "shard-0-of-2.ckpt.npz", left=bad)
-        with pytest.raises(checkpoint.CheckpointError, match="left"):
+        _rewrite_meta(tmp_path / "shard-0-of-2.ckpt.npz", **{key: bad})
+        with pytest.raises(checkpoint.CheckpointError, match=key):
             checkpoint.load_job(tmp_path, 0, 2, 3)
 
 
-def _rewrite_meta(path, **changes):
-    """Rewrites a checkpoint's meta JSON with `changes` (a forged file)."""
+def _rewrite_meta(path, drop=(), **changes):
+    """Rewrites a checkpoint's meta JSON with `changes` and without the
+    keys in `drop` (a forged file, or one an older version wrote)."""
     with np.load(path) as archive:
         arrays = dict(archive)
     meta = json.loads(arrays["meta"].tobytes())
     meta.update(changes)
+    for key in drop:
+        del meta[key]
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
     with open(path, "wb") as f:
         np.savez(f, **arrays)

@@ -43,7 +43,7 @@ def _step(pairs):
 def _on_disk(directory):
     """(clock, value) of the table in the shard's latest checkpoint;
     (-1, None) while no checkpoint holds it yet."""
-    tables, _ = checkpoint.load_job(str(directory), 0, 1, 2)
+    tables = checkpoint.load(str(directory), 0, 1, 2)
     if 0 not in tables:
         return -1, None
     return tables[0][1], float(tables[0][2][0, 0])
@@ -169,5 +169,32 @@ def test_a_worker_replaced_between_clocks_leaves_nothing_to_replay(tmp_path):
         assert clients[0].read(tables[0], clock=3)[0, 0] == 6.0
         clients[1]._io.close()  # dies between clocks: no LEAVE
         _new_worker_1_then_restore(cluster, clients, tables, tmp_path, 8)
+    finally:
+        cluster.stop()
+
+
+def test_a_worker_gone_for_good_stays_gone_after_a_restore(tmp_path):
+    """Under "continue" with no silence watch (--worker-timeout 0),
+    worker 1 leaves after clock 1 and worker 0 goes on past it: worker 1
+    counts as dead. Checkpoints remember it, so the restored shard does
+    not wait for its clocks (which no silence watch would ever end)."""
+    cluster = _cluster(tmp_path, "continue", worker_timeout="0")
+    try:
+        clients, tables = _clients(cluster)
+        _step(zip(clients, tables))
+        clients[1].close()
+        for _ in range(2):
+            _step([(clients[0], tables[0])])
+        deadline = time.monotonic() + 10
+        while checkpoint.load_job(str(tmp_path), 0, 1, 2)[1:] != (
+                set(), {1}) or _on_disk(tmp_path)[0] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _restart(cluster)
+        _step([(clients[0], tables[0])])
+        np.testing.assert_array_equal(
+            clients[0].read(tables[0], clock=4), np.full((ROWS, WIDTH), 5))
+        assert clients[0].shard_stats()[0]["dead_workers"] == [1]
+        clients[0].close()
     finally:
         cluster.stop()
