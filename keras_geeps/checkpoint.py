@@ -36,7 +36,9 @@ latest is kept in
 the new one moves every table; otherwise a copy that keeps the older
 snapshot of each table the new one leaves at its clock, so a write that
 moves only some tables, as per-layer clocks crossing a multiple of K one
-after another make, never leaves a table's latest clock in both files):
+after another make, never leaves a table's latest clock in both files;
+and a snapshot off the multiples of K, which each shard takes at its own
+clock, never displaces there one on them, which all shards hold):
 each shard writes on its own, so a whole job killed between two shards'
 writes leaves one shard's latest snapshot of a table a checkpoint ahead
 of another's; `align_job`, run
@@ -95,7 +97,7 @@ def temporary_prefix(shard_id, num_shards):
 
 
 def write(directory, shard_id, num_shards, num_workers, snapshots,
-          left=(), dead=()):
+          left=(), dead=(), every=None):
     """Atomically writes a shard's table snapshots.
 
     Args:
@@ -105,6 +107,12 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
         left: ids of the workers that left (closed their client).
         dead: ids of the workers declared dead, the job going on without
             them.
+        every: the shards' K (`--checkpoint-every`): a table's snapshot at
+            a clock off that grid (one taken on request, or where a worker
+            left, died or rejoined; each shard takes those at its own
+            clock) replaced by a newer one does not displace, as the
+            table's older snapshot, one on the grid, which every shard of
+            the table holds. None (default): every clock counts as on it.
 
     Returns:
         The checkpoint file's path.
@@ -132,7 +140,7 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(path):  # the one replaced stays as the older
-            sources = _older_sources(path, older, meta["tables"])
+            sources = _older_sources(path, older, meta["tables"], every)
             try:
                 if sources:
                     _write_composite(link, path, sources)
@@ -159,15 +167,16 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
     return path
 
 
-def _older_sources(path, older, new_tables):
+def _older_sources(path, older, new_tables, every=None):
     """Where the older file's snapshot of each table comes from when the
     latest checkpoint `path` is replaced by one of `new_tables` (meta
     entries): a table whose clock the new one changes keeps its latest
-    snapshot as its older one; a table it leaves at the same clock keeps
-    the older file's, if that is at another clock (a write that moves only
-    some tables, as per-layer clocks crossing a multiple of K one by one
-    make, must not leave a table's latest clock in both files: `align_job`
-    could then take no table back a checkpoint).
+    snapshot as its older one, unless that is off the grid of `every` and
+    the older file's is on it (`write`); a table it leaves at the same
+    clock keeps the older file's, if that is at another clock (a write
+    that moves only some tables, as per-layer clocks crossing a multiple
+    of K one by one make, must not leave a table's latest clock in both
+    files: `align_job` could then take no table back a checkpoint).
 
     Returns:
         None to keep `path` whole as the older file (what most writes
@@ -182,7 +191,10 @@ def _older_sources(path, older, new_tables):
             kept = before.get(tid)
             same = tid in new_tables and \
                 new_tables[tid]["clock"] == entry["clock"]
-            if same and kept is not None and \
+            off_grid = every is not None and (
+                entry["clock"] % every != 0 and kept is not None
+                and kept["clock"] % every == 0)
+            if (same or off_grid) and kept is not None and \
                     kept["clock"] != entry["clock"]:
                 sources[tid] = older
                 from_older += 1

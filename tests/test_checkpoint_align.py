@@ -86,6 +86,30 @@ def test_align_finds_a_common_clock_below_the_least_latest(tmp_path):
         np.testing.assert_array_equal(tables[0][2], rows_of(5, 2))
 
 
+@pytest.mark.parametrize("every", [10, None])
+def test_snapshots_off_the_grid_keep_the_last_one_on_it(tmp_path, every):
+    """Shard 0 of a split table wrote 10, 20, 23 (a checkpoint request)
+    and 30; shard 1 wrote 10, 20 and 24 (a request) before the job died.
+    With K=10 each keeps 20 as its older snapshot, so the job aligns there;
+    where every clock counted as on the grid, no clock of the table was in
+    both shards' files and it went back to its initial values."""
+    directory = str(tmp_path)
+    for shard, clocks in ((0, (10, 20, 23, 30)), (1, (10, 20, 24))):
+        for clock in clocks:
+            checkpoint.write(directory, shard, 2, 1, {0: (
+                spec("t", 4, 2 * shard, 2 * shard + 2), clock,
+                rows_of(clock, 2))}, every=every)
+    got = checkpoint.align_job(directory, 2, 1)
+    if every is None:
+        assert got == {0: None}
+        return
+    assert got == {0: 20}
+    for shard in range(2):
+        tables = checkpoint.load(directory, shard, 2, 1)
+        assert tables[0][1] == 20
+        np.testing.assert_array_equal(tables[0][2], rows_of(20, 2))
+
+
 @pytest.mark.parametrize("meta", [
     [1, 2], "text", {"tables": []},
     {"tables": {"0": {"spec": {"name": "t"}, "clock": 3}}},

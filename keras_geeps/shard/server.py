@@ -169,7 +169,8 @@ class ShardServer:
         # Writes the checkpoints, when there is a checkpoint_dir.
         self._writer = None if not self.settings.checkpoint_dir else \
             CheckpointWriter(self.settings.checkpoint_dir, shard_id,
-                             num_shards, num_workers)
+                             num_shards, num_workers,
+                             self.settings.checkpoint_every)
         self._stop = threading.Event()
         self._thread = None
         self._shm_writers = {}    # worker id -> shm.PeerBuffers (updates)

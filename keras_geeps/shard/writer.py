@@ -42,6 +42,9 @@ class CheckpointWriter:
         shard_id: this shard's index.
         num_shards: the job's shard count.
         num_workers: the job's worker count.
+        every: the shards' K (`--checkpoint-every`), whose multiples are
+            the clocks every shard of a table snapshots it at; 0 or None
+            (default): none (`checkpoint.write`).
 
     Example:
 
@@ -58,8 +61,10 @@ class CheckpointWriter:
     Written(written={}, ok=True, requests=[(b'worker-0', 7)])
     """
 
-    def __init__(self, directory, shard_id, num_shards, num_workers):
+    def __init__(self, directory, shard_id, num_shards, num_workers,
+                 every=None):
         self.directory = directory
+        self.every = every or None
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.num_workers = num_workers
@@ -176,7 +181,8 @@ class CheckpointWriter:
         thread = threading.current_thread()
         try:
             checkpoint.write(self.directory, self.shard_id, self.num_shards,
-                             self.num_workers, snapshots, left, dead)
+                             self.num_workers, snapshots, left, dead,
+                             self.every)
             thread.written = {tid: clock
                               for tid, (_, clock, _) in snapshots.items()}
             thread.ok = True
