@@ -1600,7 +1600,10 @@ class GeePSClient:
         The shards then take this worker's silence for no death (a shard
         started with `--worker-timeout`), unless another worker goes on
         past the clocks it finished: then the job stops naming it, or goes
-        on without it (`--on-worker-failure continue`). A new client of the
+        on without it (`--on-worker-failure continue`). A shard that writes
+        checkpoints answers once one holds this worker's last clocks (the
+        replay log goes with this client): while it is up, that is waited
+        for up to `timeout`. A new client of the
         same worker id joins again. A client still open when the
         interpreter exits is closed then (atexit). Threads waiting in the
         client, and every later call, raise `GeePSError` ("... the client
@@ -1653,15 +1656,54 @@ class GeePSClient:
                 if shard not in self._lost:
                     futures.append(Future())
                     self._queue(shard, Message(MsgType.LEAVE), futures[-1])
+            started = time.monotonic()
             limit = min(self.timeout, wait)
-            deadline = time.monotonic() + limit
             for future in futures:
-                self._await_reply(future, deadline, "LEAVE", limit)
+                try:
+                    self._await_reply(future, started + limit, "LEAVE",
+                                      limit)
+                except GeePSTimeoutError:
+                    if not self._keep_log or \
+                            not self._answers(future.shard, limit):
+                        raise
+                    self._await_leave_checkpoint(future, started)
         except GeePSError as exc:
             log.warning("worker %d: closing without every shard hearing it "
                         "leave: %s", self.worker_id, exc)
         finally:
             self._io.forget(futures)
+
+    def _answers(self, shard, limit):
+        """Whether `shard` answers a STATS request within `limit` s."""
+        future = Future()
+        try:
+            self._queue(shard, Message(MsgType.STATS), future)
+            self._await_reply(future, time.monotonic() + limit, "STATS",
+                              limit)
+            return True
+        except GeePSError:
+            return False
+        finally:
+            self._io.forget([future])
+
+    def _await_leave_checkpoint(self, future, started):
+        """Waits on the ACK of a LEAVE from a shard that is up, up to the
+        client's timeout since `started`: the shard gives it once a
+        checkpoint holds this worker's last clocks, which waits for the
+        other workers to finish them. Going sooner would leave those
+        updates in no checkpoint and no replay log."""
+        try:
+            self._await_reply(future, started + self.timeout, "LEAVE",
+                              self.timeout)
+        except GeePSTimeoutError:
+            raise GeePSTimeoutError(
+                f"worker {self.worker_id}: shard {future.shard} "
+                f"({self.cluster.shards[future.shard]}) is up but wrote no "
+                f"checkpoint holding this worker's last clocks within "
+                f"{self.timeout:g} s (timeout; the other workers have not "
+                f"finished them, or its checkpoints fail): should it "
+                f"restart before it does, the updates of those clocks are "
+                f"in no checkpoint and no replay log") from None
 
     def __enter__(self):
         return self

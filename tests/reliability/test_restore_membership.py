@@ -9,12 +9,14 @@ a real shard process after each event and restore it: the tables end as
 without the kill (counter tables: every worker adds 1 each clock).
 """
 
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from keras_geeps import checkpoint
+from keras_geeps.client import client as client_module
 from keras_geeps.launch import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -106,6 +108,33 @@ def test_a_worker_that_left_keeps_its_updates(tmp_path, policy,
         stats = clients[0].shard_stats()[0]
         assert stats["failed"] is None and stats["left_workers"] == [1]
         assert stats["tables"]["0"]["vclock"] == [3, 3]
+        clients[0].close()
+    finally:
+        cluster.stop()
+
+
+def test_a_worker_leaving_ahead_waits_while_its_shard_is_up(tmp_path,
+                                                            monkeypatch):
+    """Worker 1 finishes clock 3 and closes while worker 0 has not begun
+    (it starts 2 s later, past the LEAVE wait): the shard is up, so the
+    close waits for the checkpoint at 3 instead of dropping its replay
+    log. A restore right after the close keeps all of worker 1's
+    updates."""
+    monkeypatch.setattr(client_module, "LEAVE_WAIT_S", 0.5)
+    cluster = _cluster(tmp_path, "continue")
+    try:
+        clients, tables = _clients(cluster)
+        _step([(clients[1], tables[1])] * 3)
+        late = threading.Thread(target=lambda: (
+            time.sleep(2), _step([(clients[0], tables[0])] * 3)))
+        late.start()
+        started = time.monotonic()
+        clients[1].close()
+        assert time.monotonic() - started > 1.5
+        _restart(cluster)
+        late.join()
+        np.testing.assert_array_equal(
+            clients[0].read(tables[0], clock=3), np.full((ROWS, WIDTH), 6))
         clients[0].close()
     finally:
         cluster.stop()
