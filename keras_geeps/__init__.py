@@ -20,11 +20,18 @@ _LAZY = {
 }
 
 
+# Submodules the documentation names as attributes of the package
+# (`keras_geeps.auth.ClientKeys(...)`), imported on first use.
+_SUBMODULES = {"auth"}
+
+
 def __getattr__(name):
+    import importlib  # noqa: PLC0415
+    if name in _SUBMODULES:
+        return importlib.import_module(f"keras_geeps.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'keras_geeps' has no attribute {name!r}")
-    import importlib  # noqa: PLC0415
     return getattr(importlib.import_module(module), name)
 
 

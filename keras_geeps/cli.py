@@ -116,25 +116,27 @@ def _ask_all(args, msg_type, answered=None):
             futures.append(Future())
             io.send(shard, Message(msg_type, seq=1), futures[-1])
         deadline = time.monotonic() + timeout
-        failures = []
+        silent, refused = [], []
         for shard, (address, future) in enumerate(zip(spec.shards,
                                                       futures)):
             if not future.event.wait(max(0.0, deadline - time.monotonic())):
-                failures.append(f"shard {shard} ({address}) did not answer "
-                                f"within {timeout} s")
-            elif future.error:
-                failures.append(f"shard {shard} ({address}): "
-                                f"{future.error}")
+                silent.append(f"shard {shard} ({address}) did not answer "
+                              f"within {timeout} s")
+            elif future.error:  # (its text names the shard)
+                refused.append(str(future.error))
             elif answered is not None:
                 answered(shard, future.message)
     finally:
         io.close()
-    if failures:
+    if silent or refused:
         hint = ("are these CURVE keys allowed? or does it require none?"
                 if curve else "or does it require CURVE keys?")
-        raise GeePSError(f"{'; '.join(failures)}; is it running ({hint}) "
-                         f"({len(spec.shards) - len(failures)} of "
-                         f"{len(spec.shards)} shards answered)")
+        problems = refused + ([f"{'; '.join(silent)}; is it running "
+                               f"({hint})"] if silent else [])
+        answering = len(spec.shards) - len(silent)
+        raise GeePSError(f"{'; '.join(problems)} ({answering} of "
+                         f"{len(spec.shards)} shards answered, "
+                         f"{len(refused)} refused)")
 
 
 def _cmd_stats(args):

@@ -4,6 +4,8 @@ argument" from libzmq, or as a shard that refused its worker for good)."""
 
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import zmq
@@ -117,3 +119,17 @@ def test_an_allowed_clients_folder_others_may_write_is_refused(tmp_path):
             auth.ShardAuth(context, secret, str(allowed))
     finally:
         context.term()
+
+
+def test_the_package_gives_auth_as_the_docs_write_it(pair):
+    """`keras_geeps.auth.ClientKeys(...)` right after `import keras_geeps`
+    (a fresh interpreter: here `auth` is imported already), without
+    TensorFlow."""
+    public, secret = pair
+    code = ("import sys, keras_geeps\n"
+            f"keras_geeps.auth.ClientKeys({secret!r}, {public!r})\n"
+            "assert 'tensorflow' not in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code],
+                            capture_output=True, text=True, timeout=120,
+                            cwd=pathlib.Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stderr

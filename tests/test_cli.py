@@ -400,6 +400,17 @@ def test_checkpoint_on_request(process_cluster, tmp_path):
     np.testing.assert_array_equal(rows, np.full((4, 4), 4.0))
 
 
+def test_a_refused_checkpoint_request_is_named_as_refused(process_cluster):
+    """A shard that answers with a refusal answered: the error is its
+    reason, not a question whether it runs."""
+    cluster = process_cluster(1, 1)
+    result = _cli("checkpoint", "--shards", cluster.addresses[0])
+    assert result.returncode == 1
+    assert "this shard has no checkpoint_dir" in result.stderr
+    assert "(1 of 1 shards answered, 1 refused)" in result.stderr
+    assert "is it running" not in result.stderr
+
+
 def test_launch_gives_every_worker_the_same_tf_config(tmp_path):
     result = _launch(
         tmp_path,
