@@ -102,6 +102,14 @@ def _resource_variable(value):
         "(a distributed variable?); pass the per-replica tf.Variable")
 
 
+def _tensor_of(value, dtype):
+    """`value` as a tensor of `dtype`; a variable's own value, not the cast
+    copy an autocast scope makes of a keras.Variable."""
+    variable = _resource_variable(value)
+    return tf.convert_to_tensor(value if variable is None else variable,
+                                dtype=dtype)
+
+
 def _require_variable(value, what):
     variable = _resource_variable(value)
     if variable is None:
@@ -359,7 +367,7 @@ def pack(variables, layout, snapshot=None):
         if snapshot is None:
             return _gen.geeps_pack(handles, dtype=layout.dtype, sizes=sizes)
         return _gen.geeps_pack_delta(handles, snapshot, sizes=sizes)
-    values = [tf.convert_to_tensor(v, dtype=layout.dtype) for v in variables]
+    values = [_tensor_of(v, layout.dtype) for v in variables]
     if snapshot is None:
         return _gen.geeps_pack_tensors(values, sizes=sizes)
     return _gen.geeps_pack_tensors_delta(values, snapshot, sizes=sizes)
@@ -460,7 +468,7 @@ def pack_tensors_into(values, layout, out, scales, base=None):
         raise ValueError("pack_tensors_into writes caller memory: call it "
                          "eagerly (e.g. inside tf.py_function)")
     _check_out(out, layout, "pack_tensors_into")
-    values = [tf.convert_to_tensor(v, dtype=layout.dtype) for v in values]
+    values = [_tensor_of(v, layout.dtype) for v in values]
     for value in values:
         if "CPU" not in value.device.upper():
             raise ValueError(f"pack_tensors_into takes CPU tensors; one is "

@@ -856,6 +856,18 @@ def test_a_layout_of_keras_variables_has_their_dtype_under_autocast():
         assert layout.dtype == tf.float32
         np.testing.assert_array_equal(ops.pack([kernel], layout).numpy(),
                                       np.arange(6))
+        # With a tensor beside it (the tensors' path): its own float32
+        # values, not a float16 copy (1.0001 has no float16).
+        kernel.assign(np.full((2, 3), 1.0001, np.float32))
+        mixed = ops.PackLayout([kernel, (1,)])
+        want = np.float32([1.0001] * 6 + [2])
+        np.testing.assert_array_equal(
+            ops.pack([kernel, tf.constant([2.0])], mixed).numpy(), want)
+        out = np.zeros(7, np.float32)
+        ops.pack_tensors_into([kernel, tf.constant([2.0])], mixed,
+                              tf.experimental.dlpack.from_dlpack(
+                                  out.__dlpack__()), [1.0, 1.0])
+        np.testing.assert_array_equal(out, want)
         ops.unpack(tf.ones([6]), [kernel], layout)
     np.testing.assert_array_equal(kernel.numpy(), np.ones((2, 3)))
 
