@@ -1554,6 +1554,15 @@ class GeePSClient:
         lines, asked = [], {}
         for shard in sorted({table.parts[p][0] for p in parts
                              if table.ages[p] < required}):
+            if shard in self._io.held:  # (a STATS would wait behind it)
+                lines.append(
+                    f"shard {shard} ({self.cluster.shards[shard]}) "
+                    f"restarted and this worker's recovery of it is not "
+                    f"done: it waits for the shard's WELCOME, or to replay "
+                    f"clocks the shard takes once the other workers have "
+                    f"replayed theirs (has every worker a client open, "
+                    f"sending heartbeats?)")
+                continue
             asked[shard] = Future()
             self._send(shard, Message(MsgType.STATS), asked[shard])
         # All at once, and briefly: a live shard answers in milliseconds,
@@ -1647,8 +1656,7 @@ class GeePSClient:
         if self._io is None or self._job_failed is not None or \
                 self._io.failed is not None:
             return
-        self._io.heartbeat_interval = 0  # (a late one would say HELLO)
-        futures = []
+        futures, failures = [], []
         try:
             shards = range(self.cluster.num_shards) if self._keep_log \
                 else sorted(self._watching)
@@ -1656,22 +1664,43 @@ class GeePSClient:
                 if shard not in self._lost:
                     futures.append(Future())
                     self._queue(shard, Message(MsgType.LEAVE), futures[-1])
+            # Heartbeats go on to the shards yet to answer: one that
+            # restarts meanwhile answers hello_required, and the recovery
+            # replays this worker's clocks and sends the LEAVE again. (Not
+            # to those that answered: one restarted would answer so too,
+            # and this worker would be a member there again.)
+            self._io.heartbeat_only = {f.shard for f in futures}
+            self._io.heartbeat_interval = self._io.heartbeat_interval or 1.0
             started = time.monotonic()
             limit = min(self.timeout, wait)
             for future in futures:
                 try:
-                    self._await_reply(future, started + limit, "LEAVE",
-                                      limit)
-                except GeePSTimeoutError:
-                    if not self._keep_log or \
-                            not self._answers(future.shard, limit):
-                        raise
-                    self._await_leave_checkpoint(future, started)
+                    self._await_leave(future, started, limit)
+                except GeePSError as exc:  # (the others are waited for)
+                    failures.append(exc)
+                self._io.heartbeat_only = {
+                    f.shard for f in futures if not f.event.is_set()}
         except GeePSError as exc:
+            failures.append(exc)
+        finally:
+            self._io.heartbeat_interval = 0
+            self._io.forget(futures)
+        for exc in failures:
             log.warning("worker %d: closing without every shard hearing it "
                         "leave: %s", self.worker_id, exc)
-        finally:
-            self._io.forget(futures)
+
+    def _await_leave(self, future, started, limit):
+        """Waits for a LEAVE's ACK: `limit` s from `started` for a shard
+        that is gone, up to the client's timeout for one that is up or
+        being recovered (`_await_leave_checkpoint`)."""
+        try:
+            self._await_reply(future, started + limit, "LEAVE", limit)
+        except GeePSTimeoutError:
+            shard = future.shard
+            if not self._keep_log or not (shard in self._io.held or
+                                          self._answers(shard, limit)):
+                raise
+            self._await_leave_checkpoint(future, started)
 
     def _answers(self, shard, limit):
         """Whether `shard` answers a STATS request within `limit` s."""
@@ -1687,11 +1716,11 @@ class GeePSClient:
             self._io.forget([future])
 
     def _await_leave_checkpoint(self, future, started):
-        """Waits on the ACK of a LEAVE from a shard that is up, up to the
-        client's timeout since `started`: the shard gives it once a
-        checkpoint holds this worker's last clocks, which waits for the
-        other workers to finish them. Going sooner would leave those
-        updates in no checkpoint and no replay log."""
+        """Waits on the ACK of a LEAVE from a shard that is up (or being
+        recovered), up to the client's timeout since `started`: the shard
+        gives it once a checkpoint holds this worker's last clocks, which
+        waits for the other workers to finish them. Going sooner would
+        leave those updates in no checkpoint and no replay log."""
         try:
             self._await_reply(future, started + self.timeout, "LEAVE",
                               self.timeout)

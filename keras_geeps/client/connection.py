@@ -143,6 +143,9 @@ class IOThread:
         self._on_error = on_error
         self._worker_id = worker_id
         self.heartbeat_interval = heartbeat_interval
+        # None: heartbeats go to every shard that welcomed us; else to
+        # those of this set only (a closing client's, awaiting LEAVEs).
+        self.heartbeat_only = None
         self._context = zmq.Context(io_threads=protocol.IO_THREADS)
         self._outbox = collections.deque()
         self._doorbell_lock = threading.Lock()
@@ -369,7 +372,9 @@ class IOThread:
                 if self.heartbeat_interval and time.monotonic() >= \
                         last_beat + self.heartbeat_interval:
                     last_beat = time.monotonic()
-                    for shard in sorted(self._welcomed):
+                    only = self.heartbeat_only
+                    for shard in sorted(self._welcomed if only is None
+                                        else self._welcomed & only):
                         self._heartbeat(shard)
                     self._watch_links()
                 self._tell_broken()

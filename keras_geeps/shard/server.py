@@ -1601,13 +1601,13 @@ class ShardServer:
     def _answer_leaves(self):
         """ACKs the LEAVEs whose clocks a written checkpoint now holds."""
         waiting = []
-        for identity, seq, clocks in self._leave_acks:
+        for identity, seq, clocks, worker in self._leave_acks:
             if all(tid not in self._tables or
                    self._tables[tid].ckpt_clock >= clock
                    for tid, clock in clocks.items()):
                 self._send(identity, Message(MsgType.ACK, seq=seq))
             else:
-                waiting.append((identity, seq, clocks))
+                waiting.append((identity, seq, clocks, worker))
         self._leave_acks = waiting
 
     def _checkpoint_request(self, identity, message):
@@ -1655,11 +1655,20 @@ class ShardServer:
             return
         snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
                      for t in self._tables.values() if t.snapshot is not None}
-        if writer.requests or self._left != writer.left_written or \
+        # A worker counts as left in the checkpoint that holds its last
+        # clocks (its LEAVE is answered once that is written), not before:
+        # restored from an earlier one, a shard still counts it a member,
+        # whose client (waiting for that answer) recovers it and replays.
+        left = self._left - {
+            worker for _, _, clocks, worker in self._leave_acks
+            if not all(tid not in self._tables or tid in snapshots and
+                       snapshots[tid][1] >= clock
+                       for tid, clock in clocks.items())}
+        if writer.requests or left != writer.left_written or \
                 self._dead != writer.dead_written or any(
                     clock > self._tables[tid].ckpt_clock
                     for tid, (_, clock, _) in snapshots.items()):
-            writer.start(snapshots, self._left, self._dead)
+            writer.start(snapshots, left, self._dead)
 
     def _watch_workers(self):
         """Declares dead the workers silent for longer than worker_timeout
@@ -1827,7 +1836,7 @@ class ShardServer:
         # the clocks it finished (the client waits LEAVE_WAIT_S at most).
         clocks = self._snapshot_clocks_of(worker)
         if clocks:
-            self._leave_acks.append((identity, message.seq, clocks))
+            self._leave_acks.append((identity, message.seq, clocks, worker))
         else:
             self._send(identity, Message(MsgType.ACK, seq=message.seq))
         log.info("shard %d: worker %d left", self.shard_id, worker)

@@ -17,6 +17,7 @@ import pytest
 
 from keras_geeps import checkpoint
 from keras_geeps.client import client as client_module
+from keras_geeps.errors import GeePSTimeoutError
 from keras_geeps.launch import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -24,9 +25,9 @@ pytestmark = pytest.mark.slow
 ROWS, WIDTH = 4, 4
 
 
-def _cluster(directory, policy, worker_timeout="1.5"):
+def _cluster(directory, policy, worker_timeout="1.5", every="2"):
     return LocalCluster(1, 2, processes=True, output=None, shard_args=[
-        "--checkpoint-dir", str(directory), "--checkpoint-every", "2",
+        "--checkpoint-dir", str(directory), "--checkpoint-every", every,
         "--on-worker-failure", policy, "--worker-timeout", worker_timeout])
 
 
@@ -140,6 +141,41 @@ def test_a_worker_leaving_ahead_waits_while_its_shard_is_up(tmp_path,
         cluster.stop()
 
 
+def test_a_shard_restarted_while_a_worker_waits_to_leave_recovers(
+        tmp_path, monkeypatch):
+    """Worker 1 finishes clock 6 and closes while worker 0 is at 4 (the
+    checkpoint at 4 written); the shard is killed and restored while the
+    close waits for the checkpoint at 6. The closing client's heartbeats
+    go on to that shard, so it recovers it and replays clocks 4 and 5;
+    the checkpoint at 4 does not count worker 1 as left (it would have
+    been left behind there, and the job stopped): worker 0 reads both
+    workers' 6 clocks, and the close returns."""
+    monkeypatch.setattr(client_module, "LEAVE_WAIT_S", 0.5)
+    cluster = _cluster(tmp_path, "stop")
+    try:
+        clients, tables = _clients(cluster)
+        _step([(clients[1], tables[1])] * 6)
+        for _ in range(4):
+            _step([(clients[0], tables[0])])
+            clients[0].read(tables[0])
+        _wait_on_disk(tmp_path, 4)
+        closing = threading.Thread(target=clients[1].close)
+        closing.start()
+        time.sleep(1.5)  # past the LEAVE wait: waiting for the checkpoint
+        assert closing.is_alive()
+        assert checkpoint.load_job(str(tmp_path), 0, 1, 2)[1] == set()
+        _restart(cluster)
+        _step([(clients[0], tables[0])] * 2)
+        np.testing.assert_array_equal(
+            clients[0].read(tables[0], clock=6), np.full((ROWS, WIDTH), 12))
+        closing.join(10)
+        assert not closing.is_alive()
+        assert checkpoint.load_job(str(tmp_path), 0, 1, 2)[1] == {1}
+        clients[0].close()
+    finally:
+        cluster.stop()
+
+
 def test_a_dead_workers_updates_survive_a_restore(tmp_path):
     """Under "continue" worker 1 dies after clock 3: the shard snapshots
     at 3 as it stops waiting for it, so a restore keeps its clock-2
@@ -225,5 +261,30 @@ def test_a_worker_gone_for_good_stays_gone_after_a_restore(tmp_path):
             clients[0].read(tables[0], clock=4), np.full((ROWS, WIDTH), 5))
         assert clients[0].shard_stats()[0]["dead_workers"] == [1]
         clients[0].close()
+    finally:
+        cluster.stop()
+
+
+def test_a_read_timing_out_in_a_recovery_says_so(tmp_path):
+    """Worker 1 hangs (its connections gone, and the shard watches for no
+    silent workers), so it never replays to the restarted shard, and
+    worker 0's recovery waits for its replay. A read of worker 0 that
+    times out meanwhile says the recovery is not done; it named the shard
+    dead before (its diagnostic STATS waited behind the recovery)."""
+    cluster = _cluster(tmp_path, "continue", worker_timeout="0", every="4")
+    try:
+        fast = cluster.client(0, timeout=4, heartbeat_interval=0.2)
+        idle = cluster.client(1, timeout=4, heartbeat_interval=0)
+        pairs = [(c, c.create_table("t", ROWS, WIDTH)) for c in (fast, idle)]
+        for _ in range(6):
+            _step(pairs)
+        fast.read(pairs[0][1], clock=6)
+        _wait_on_disk(tmp_path, 4)
+        idle._io.close()
+        _restart(cluster)  # at 4: worker 0 replays 4, 5 once 1 replays 4
+        _step(pairs[:1])
+        with pytest.raises(GeePSTimeoutError,
+                           match="recovery of it is not done"):
+            fast.read(pairs[0][1], clock=7)
     finally:
         cluster.stop()
