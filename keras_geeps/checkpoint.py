@@ -15,7 +15,8 @@ an uncompressed numpy `.npz` archive with
 - `meta`: a uint8 array holding UTF-8 JSON: {"format": 1, "shard_id",
   "num_shards", "num_workers", "tables": {"<table id>": {"spec": {name,
   rows, width, dtype, row_start, row_end[, per_clock: true]}, "clock":
-  C}}, "left": [worker ids], "dead": [worker ids]} ("left": the workers
+  C[, "own_clock": true]}}, "left": [worker ids], "dead": [worker ids]}
+  ("own_clock": C is this shard's own, see below; "left": the workers
   whose client had closed, which a restored shard does not wait to hear
   from; "dead": those declared dead, the job going on without them
   (`--on-worker-failure continue`), whose clocks a restored shard does
@@ -37,8 +38,10 @@ the new one moves every table; otherwise a copy that keeps the older
 snapshot of each table the new one leaves at its clock, so a write that
 moves only some tables, as per-layer clocks crossing a multiple of K one
 after another make, never leaves a table's latest clock in both files;
-and a snapshot off the multiples of K, which each shard takes at its own
-clock, never displaces there one on them, which all shards hold):
+and a snapshot at the shard's own clock, which the table's other shards
+may not hold (one taken on request, or where a worker rejoined), never
+displaces there one at a clock they all take: a multiple of K, or where
+a worker left or died):
 each shard writes on its own, so a whole job killed between two shards'
 writes leaves one shard's latest snapshot of a table a checkpoint ahead
 of another's; `align_job`, run
@@ -97,7 +100,7 @@ def temporary_prefix(shard_id, num_shards):
 
 
 def write(directory, shard_id, num_shards, num_workers, snapshots,
-          left=(), dead=(), every=None):
+          left=(), dead=(), own_clock=()):
     """Atomically writes a shard's table snapshots.
 
     Args:
@@ -107,12 +110,11 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
         left: ids of the workers that left (closed their client).
         dead: ids of the workers declared dead, the job going on without
             them.
-        every: the shards' K (`--checkpoint-every`): a table's snapshot at
-            a clock off that grid (one taken on request, or where a worker
-            left, died or rejoined; each shard takes those at its own
-            clock) replaced by a newer one does not displace, as the
-            table's older snapshot, one on the grid, which every shard of
-            the table holds. None (default): every clock counts as on it.
+        own_clock: ids of the tables whose snapshot is at this shard's
+            own clock (a requested checkpoint, a rejoin): the table's
+            other shards may hold another. Replaced by a newer one, such a
+            snapshot does not displace, as the table's older one, one at a
+            clock every shard takes.
 
     Returns:
         The checkpoint file's path.
@@ -120,7 +122,8 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
     os.makedirs(directory, exist_ok=True)
     meta = {"format": FORMAT, "shard_id": shard_id, "num_shards": num_shards,
             "num_workers": num_workers, "tables": {
-                str(tid): {"spec": spec, "clock": int(clock)}
+                str(tid): dict({"spec": spec, "clock": int(clock)}, **(
+                    {"own_clock": True} if tid in own_clock else {}))
                 for tid, (spec, clock, _) in snapshots.items()},
             "left": sorted(int(w) for w in left),
             "dead": sorted(int(w) for w in dead)}
@@ -140,7 +143,7 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(path):  # the one replaced stays as the older
-            sources = _older_sources(path, older, meta["tables"], every)
+            sources = _older_sources(path, older, meta["tables"])
             try:
                 if sources:
                     _write_composite(link, path, sources)
@@ -167,12 +170,12 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
     return path
 
 
-def _older_sources(path, older, new_tables, every=None):
+def _older_sources(path, older, new_tables):
     """Where the older file's snapshot of each table comes from when the
     latest checkpoint `path` is replaced by one of `new_tables` (meta
     entries): a table whose clock the new one changes keeps its latest
-    snapshot as its older one, unless that is off the grid of `every` and
-    the older file's is on it (`write`); a table it leaves at the same
+    snapshot as its older one, unless that is at the shard's own clock
+    and the older file's is not (`write`); a table it leaves at the same
     clock keeps the older file's, if that is at another clock (a write
     that moves only some tables, as per-layer clocks crossing a multiple
     of K one by one make, must not leave a table's latest clock in both
@@ -191,10 +194,9 @@ def _older_sources(path, older, new_tables, every=None):
             kept = before.get(tid)
             same = tid in new_tables and \
                 new_tables[tid]["clock"] == entry["clock"]
-            off_grid = every is not None and (
-                entry["clock"] % every != 0 and kept is not None
-                and kept["clock"] % every == 0)
-            if (same or off_grid) and kept is not None and \
+            own = kept is not None and entry.get("own_clock") is True \
+                and kept.get("own_clock") is not True
+            if (same or own) and kept is not None and \
                     kept["clock"] != entry["clock"]:
                 sources[tid] = older
                 from_older += 1

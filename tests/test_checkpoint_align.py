@@ -86,21 +86,22 @@ def test_align_finds_a_common_clock_below_the_least_latest(tmp_path):
         np.testing.assert_array_equal(tables[0][2], rows_of(5, 2))
 
 
-@pytest.mark.parametrize("every", [10, None])
-def test_snapshots_off_the_grid_keep_the_last_one_on_it(tmp_path, every):
-    """Shard 0 of a split table wrote 10, 20, 23 (a checkpoint request)
-    and 30; shard 1 wrote 10, 20 and 24 (a request) before the job died.
-    With K=10 each keeps 20 as its older snapshot, so the job aligns there;
-    where every clock counted as on the grid, no clock of the table was in
-    both shards' files and it went back to its initial values."""
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_shards_own_clocks_keep_the_last_one_all_take(tmp_path, flagged):
+    """Shard 0 of a split table wrote 10, 20, 23 (a checkpoint request,
+    at its own clock) and 30; shard 1 wrote 10, 20 and 24 (the request)
+    before the job died. Each keeps 20 as its older snapshot, so the job
+    aligns there; unflagged, as before, no clock of the table was in both
+    shards' files and it went back to its initial values."""
     directory = str(tmp_path)
     for shard, clocks in ((0, (10, 20, 23, 30)), (1, (10, 20, 24))):
         for clock in clocks:
             checkpoint.write(directory, shard, 2, 1, {0: (
                 spec("t", 4, 2 * shard, 2 * shard + 2), clock,
-                rows_of(clock, 2))}, every=every)
+                rows_of(clock, 2))},
+                own_clock={0} if flagged and clock in (23, 24) else ())
     got = checkpoint.align_job(directory, 2, 1)
-    if every is None:
+    if not flagged:
         assert got == {0: None}
         return
     assert got == {0: 20}
@@ -108,6 +109,19 @@ def test_snapshots_off_the_grid_keep_the_last_one_on_it(tmp_path, every):
         tables = checkpoint.load(directory, shard, 2, 1)
         assert tables[0][1] == 20
         np.testing.assert_array_equal(tables[0][2], rows_of(20, 2))
+
+
+def test_a_clock_all_shards_take_displaces_as_before(tmp_path):
+    """Where a worker left at 23 (a clock every shard snapshots) and
+    shard 1, busy writing, never wrote 20: shard 0's 20 gives way to 23
+    as its older snapshot, and the job aligns at 23."""
+    directory = str(tmp_path)
+    for shard, clocks in ((0, (10, 20, 23, 30)), (1, (10, 23))):
+        for clock in clocks:
+            checkpoint.write(directory, shard, 2, 1, {0: (
+                spec("t", 4, 2 * shard, 2 * shard + 2), clock,
+                rows_of(clock, 2))})
+    assert checkpoint.align_job(directory, 2, 1) == {0: 23}
 
 
 @pytest.mark.parametrize("meta", [

@@ -1656,7 +1656,7 @@ class GeePSClient:
         if self._io is None or self._job_failed is not None or \
                 self._io.failed is not None:
             return
-        futures, failures = [], []
+        futures, probes, failures = [], {}, []
         try:
             shards = range(self.cluster.num_shards) if self._keep_log \
                 else sorted(self._watching)
@@ -1664,56 +1664,50 @@ class GeePSClient:
                 if shard not in self._lost:
                     futures.append(Future())
                     self._queue(shard, Message(MsgType.LEAVE), futures[-1])
-            # Heartbeats go on to the shards yet to answer: one that
-            # restarts meanwhile answers hello_required, and the recovery
-            # replays this worker's clocks and sends the LEAVE again. (Not
-            # to those that answered: one restarted would answer so too,
-            # and this worker would be a member there again.)
-            self._io.heartbeat_only = {f.shard for f in futures}
+                    if self._keep_log:  # (is it up? `_await_leave`)
+                        probes[shard] = Future()
+                        self._queue(shard, Message(MsgType.STATS),
+                                    probes[shard])
+            # Heartbeats go on to the shards yet to answer (the I/O thread
+            # asks at each beat): one that restarts meanwhile answers
+            # hello_required, and the recovery replays this worker's
+            # clocks and sends the LEAVE again. (Not to those that
+            # answered: one restarted would answer so too, and this worker
+            # would be a member there again.)
+            self._io.heartbeat_only = lambda: {
+                f.shard for f in futures if not f.event.is_set()}
             self._io.heartbeat_interval = self._io.heartbeat_interval or 1.0
             started = time.monotonic()
             limit = min(self.timeout, wait)
             for future in futures:
                 try:
-                    self._await_leave(future, started, limit)
+                    self._await_leave(future, started, limit,
+                                      probes.get(future.shard))
                 except GeePSError as exc:  # (the others are waited for)
                     failures.append(exc)
-                self._io.heartbeat_only = {
-                    f.shard for f in futures if not f.event.is_set()}
         except GeePSError as exc:
             failures.append(exc)
         finally:
             self._io.heartbeat_interval = 0
-            self._io.forget(futures)
+            self._io.forget(futures + list(probes.values()))
         for exc in failures:
             log.warning("worker %d: closing without every shard hearing it "
                         "leave: %s", self.worker_id, exc)
 
-    def _await_leave(self, future, started, limit):
+    def _await_leave(self, future, started, limit, probe):
         """Waits for a LEAVE's ACK: `limit` s from `started` for a shard
-        that is gone, up to the client's timeout for one that is up or
-        being recovered (`_await_leave_checkpoint`)."""
+        that is gone, up to the client's timeout for one that is up (it
+        answered the STATS `probe` sent with the LEAVE, or the HELLO of a
+        recovery of it) (`_await_leave_checkpoint`)."""
         try:
             self._await_reply(future, started + limit, "LEAVE", limit)
         except GeePSTimeoutError:
-            shard = future.shard
-            if not self._keep_log or not (shard in self._io.held or
-                                          self._answers(shard, limit)):
+            up = probe is not None and (
+                probe.event.is_set() and probe.error is None
+                or self._recovery.welcomed(future.shard))
+            if not up:
                 raise
             self._await_leave_checkpoint(future, started)
-
-    def _answers(self, shard, limit):
-        """Whether `shard` answers a STATS request within `limit` s."""
-        future = Future()
-        try:
-            self._queue(shard, Message(MsgType.STATS), future)
-            self._await_reply(future, time.monotonic() + limit, "STATS",
-                              limit)
-            return True
-        except GeePSError:
-            return False
-        finally:
-            self._io.forget([future])
 
     def _await_leave_checkpoint(self, future, started):
         """Waits on the ACK of a LEAVE from a shard that is up (or being

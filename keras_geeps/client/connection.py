@@ -143,8 +143,9 @@ class IOThread:
         self._on_error = on_error
         self._worker_id = worker_id
         self.heartbeat_interval = heartbeat_interval
-        # None: heartbeats go to every shard that welcomed us; else to
-        # those of this set only (a closing client's, awaiting LEAVEs).
+        # None: heartbeats go to every shard that welcomed us; else a
+        # function giving the set of those that get them (a closing
+        # client's, awaiting LEAVEs), asked at each beat.
         self.heartbeat_only = None
         self._context = zmq.Context(io_threads=protocol.IO_THREADS)
         self._outbox = collections.deque()
@@ -374,7 +375,7 @@ class IOThread:
                     last_beat = time.monotonic()
                     only = self.heartbeat_only
                     for shard in sorted(self._welcomed if only is None
-                                        else self._welcomed & only):
+                                        else self._welcomed & only()):
                         self._heartbeat(shard)
                     self._watch_links()
                 self._tell_broken()

@@ -169,8 +169,7 @@ class ShardServer:
         # Writes the checkpoints, when there is a checkpoint_dir.
         self._writer = None if not self.settings.checkpoint_dir else \
             CheckpointWriter(self.settings.checkpoint_dir, shard_id,
-                             num_shards, num_workers,
-                             self.settings.checkpoint_every)
+                             num_shards, num_workers)
         self._stop = threading.Event()
         self._thread = None
         self._shm_writers = {}    # worker id -> shm.PeerBuffers (updates)
@@ -1551,6 +1550,7 @@ class ShardServer:
         every = self.settings.checkpoint_every
         if (every and clock % every == 0) or clock in table.snapshot_at:
             table.snapshot = (clock, data.copy())
+            table.snapshot_own = False
         if table.snapshot_at:
             table.snapshot_at = {c for c in table.snapshot_at if c > clock}
 
@@ -1563,12 +1563,14 @@ class ShardServer:
             table.data
         return 0 if copied else table.nbytes
 
-    def _snapshot_clocks_of(self, worker):
+    def _snapshot_clocks_of(self, worker, own=False):
         """Has every table snapshot at the clock `worker` finished, where
         no checkpoint holds that clock yet: a worker that left, died (the
         job going on without it) or rejoined cannot replay what a restart
         of this shard from an older checkpoint would lose. Taken now where
-        the table is at that clock, else when it gets there.
+        the table is at that clock, else when it gets there. `own`: that
+        clock is this shard's own (where the worker rejoined or took over,
+        at this shard's clock), not one every shard of the table takes.
 
         Returns:
             {table id: clock} of the tables whose checkpoint must still
@@ -1589,6 +1591,7 @@ class ShardServer:
                 extra = self._snapshot_cost(table)
                 if not extra or self._room_for(extra):
                     table.snapshot = (clock, table.data.copy())
+                    table.snapshot_own = own
                 else:
                     log.warning("shard %d: no memory to snapshot table %r "
                                 "at clock %d for worker %d", self.shard_id,
@@ -1628,6 +1631,7 @@ class ShardServer:
         self._writer.request(identity, message.seq)  # or refuses it
         for table in stale:
             table.snapshot = (table.global_clock, table.data.copy())
+            table.snapshot_own = True
 
     def _housekeeping(self):
         if self._writer is not None:
@@ -1655,6 +1659,8 @@ class ShardServer:
             return
         snapshots = {t.id: (t.spec, t.snapshot[0], t.snapshot[1])
                      for t in self._tables.values() if t.snapshot is not None}
+        own = {t.id for t in self._tables.values()
+               if t.snapshot is not None and t.snapshot_own}
         # A worker counts as left in the checkpoint that holds its last
         # clocks (its LEAVE is answered once that is written), not before:
         # restored from an earlier one, a shard still counts it a member,
@@ -1668,7 +1674,7 @@ class ShardServer:
                 self._dead != writer.dead_written or any(
                     clock > self._tables[tid].ckpt_clock
                     for tid, (_, clock, _) in snapshots.items()):
-            writer.start(snapshots, left, self._dead)
+            writer.start(snapshots, left, self._dead, own)
 
     def _watch_workers(self):
         """Declares dead the workers silent for longer than worker_timeout
@@ -1894,7 +1900,7 @@ class ShardServer:
         if not midway:
             # The new process replays nothing before its start: the old
             # one's clocks must reach a checkpoint (as a rejoin's do).
-            self._snapshot_clocks_of(worker)
+            self._snapshot_clocks_of(worker, own=True)
             return self._job_clock()
         table = midway[0]
         self._worker_died(worker, (
@@ -1917,7 +1923,7 @@ class ShardServer:
             table.vclock[worker] = table.global_clock
             table.refused.pop(worker, None)
         # Its new process replays nothing before these clocks.
-        self._snapshot_clocks_of(worker)
+        self._snapshot_clocks_of(worker, own=True)
         clock = self._job_clock()
         log.warning("shard %d: worker %d rejoined at clock %d",
                     self.shard_id, worker, clock)

@@ -41,6 +41,9 @@ class Table:
         self.refused = {}
         self.subscribers = set()
         self.snapshot = None      # (clock, rows) taken for the next write
+        # Whether that clock is this shard's own (a requested checkpoint,
+        # a rejoin): other shards of the table may snapshot another.
+        self.snapshot_own = False
         # Clocks past K's multiples to snapshot at too: where a worker
         # left, died or rejoined, whose updates no worker could replay.
         self.snapshot_at = set()

@@ -42,9 +42,6 @@ class CheckpointWriter:
         shard_id: this shard's index.
         num_shards: the job's shard count.
         num_workers: the job's worker count.
-        every: the shards' K (`--checkpoint-every`), whose multiples are
-            the clocks every shard of a table snapshots it at; 0 or None
-            (default): none (`checkpoint.write`).
 
     Example:
 
@@ -61,10 +58,8 @@ class CheckpointWriter:
     Written(written={}, ok=True, requests=[(b'worker-0', 7)])
     """
 
-    def __init__(self, directory, shard_id, num_shards, num_workers,
-                 every=None):
+    def __init__(self, directory, shard_id, num_shards, num_workers):
         self.directory = directory
-        self.every = every or None
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.num_workers = num_workers
@@ -135,14 +130,15 @@ class CheckpointWriter:
         one's backoff has passed."""
         return self._thread is None and time.monotonic() >= self._retry_at
 
-    def start(self, snapshots, left, dead=()):
+    def start(self, snapshots, left, dead=(), own_clock=()):
         """Writes `snapshots` ({table id: (spec, clock, rows)}), the
         workers that `left` and those declared `dead` in a thread; it
-        answers every request queued so far."""
+        answers every request queued so far. `own_clock`: the tables
+        snapshotted at this shard's own clock (`checkpoint.write`)."""
         left, dead = frozenset(left), frozenset(dead)
         thread = threading.Thread(target=self._write,
                                   args=(snapshots, sorted(left),
-                                        sorted(dead)),
+                                        sorted(dead), set(own_clock)),
                                   daemon=True,
                                   name=f"geeps-ckpt-{self.shard_id}")
         thread.written, thread.ok = {}, False
@@ -177,12 +173,12 @@ class CheckpointWriter:
             log.error("shard %d: the checkpoint being written did not "
                       "finish within %g s", self.shard_id, timeout)
 
-    def _write(self, snapshots, left, dead):
+    def _write(self, snapshots, left, dead, own_clock):
         thread = threading.current_thread()
         try:
             checkpoint.write(self.directory, self.shard_id, self.num_shards,
                              self.num_workers, snapshots, left, dead,
-                             self.every)
+                             own_clock)
             thread.written = {tid: clock
                               for tid, (_, clock, _) in snapshots.items()}
             thread.ok = True
