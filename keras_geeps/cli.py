@@ -127,7 +127,7 @@ def _ask_all(args, msg_type, answered=None):
             elif answered is not None:
                 answered(shard, future.message)
     finally:
-        io.close()
+        io.close(linger=0)  # (every answer is in: nothing more to send)
     if silent or refused:
         hint = ("are these CURVE keys allowed? or does it require none?"
                 if curve else "or does it require CURVE keys?")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from keras_geeps.auth import keygen
+from keras_geeps.cli import main as cli_main
 from keras_geeps.launch import LocalCluster, check_restarts, launch
 from tests.processes import alive, launch_one_worker
 
@@ -44,6 +45,16 @@ def test_stats_of_a_dead_address_fails_clearly(process_cluster):
     result = _cli("stats", "--shards", address, "--timeout", "1")
     assert result.returncode != 0
     assert "did not answer within 1.0 s" in result.stderr
+
+
+def test_an_unanswered_admin_command_ends_at_its_timeout(capsys):
+    """The command gave up at --timeout, then spent 2 s more closing,
+    lingering to send a request to a shard that never answered."""
+    started = time.monotonic()
+    assert cli_main(["stats", "--shards", "127.0.0.1:9", "--timeout",
+                     "1"]) == 1
+    assert time.monotonic() - started < 2.0
+    assert "did not answer within 1.0 s" in capsys.readouterr().err
 
 
 def test_stop_reaches_every_shard_when_one_is_down(process_cluster):

@@ -147,6 +147,7 @@ class IOThread:
         # function giving the set of those that get them (a closing
         # client's, awaiting LEAVEs), asked at each beat.
         self.heartbeat_only = None
+        self._linger = CLOSE_LINGER_S  # (what `close` gives)
         self._context = zmq.Context(io_threads=protocol.IO_THREADS)
         self._outbox = collections.deque()
         self._doorbell_lock = threading.Lock()
@@ -325,11 +326,13 @@ class IOThread:
             except zmq.Again:
                 pass  # rings are queued already: the thread will wake
 
-    def close(self, timeout=5.0):
+    def close(self, timeout=5.0, linger=CLOSE_LINGER_S):
         """Stops the thread, closes every socket and fails every request
-        still waiting for a reply."""
+        still waiting for a reply; what is queued gets `linger` seconds to
+        leave (default CLOSE_LINGER_S; 0 where nothing queued matters)."""
         if self._stop:
             return
+        self._linger = linger
         self._stop = True
         self._ring()
         self._thread.join(timeout + CLOSE_LINGER_S)
@@ -399,11 +402,11 @@ class IOThread:
                     log.exception("keras_geeps I/O thread: on_close failed")
             if closing:
                 try:
-                    self._send_queued(CLOSE_LINGER_S)
+                    self._send_queued(self._linger)
                 except Exception:  # closing all the same
                     log.exception("keras_geeps I/O thread: sending what "
                                   "was queued at close failed")
-            linger = int(CLOSE_LINGER_S * 1000) if closing else 0
+            linger = int(self._linger * 1000) if closing else 0
             for sock in self._sockets:
                 sock.close(linger=linger)
             for link in self._links.values():
