@@ -1604,14 +1604,20 @@ class ShardServer:
     def _answer_leaves(self):
         """ACKs the LEAVEs whose clocks a written checkpoint now holds."""
         waiting = []
+        written = {tid: t.ckpt_clock for tid, t in self._tables.items()}
         for identity, seq, clocks, worker in self._leave_acks:
-            if all(tid not in self._tables or
-                   self._tables[tid].ckpt_clock >= clock
-                   for tid, clock in clocks.items()):
+            if self._holds_leave(written, clocks):
                 self._send(identity, Message(MsgType.ACK, seq=seq))
             else:
                 waiting.append((identity, seq, clocks, worker))
         self._leave_acks = waiting
+
+    def _holds_leave(self, held, clocks):
+        """Whether a checkpoint holding `held` (table id -> clock) holds a
+        leaving worker's last `clocks` (table id -> clock); a table dropped
+        since needs nothing."""
+        return all(tid not in self._tables or tid in held and
+                   held[tid] >= clock for tid, clock in clocks.items())
 
     def _checkpoint_request(self, identity, message):
         if self._writer is None:
@@ -1665,11 +1671,10 @@ class ShardServer:
         # clocks (its LEAVE is answered once that is written), not before:
         # restored from an earlier one, a shard still counts it a member,
         # whose client (waiting for that answer) recovers it and replays.
+        held = {tid: clock for tid, (_, clock, _) in snapshots.items()}
         left = self._left - {
             worker for _, _, clocks, worker in self._leave_acks
-            if not all(tid not in self._tables or tid in snapshots and
-                       snapshots[tid][1] >= clock
-                       for tid, clock in clocks.items())}
+            if not self._holds_leave(held, clocks)}
         if writer.requests or left != writer.left_written or \
                 self._dead != writer.dead_written or any(
                     clock > self._tables[tid].ckpt_clock
