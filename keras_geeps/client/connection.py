@@ -329,20 +329,21 @@ class IOThread:
     def close(self, timeout=5.0, linger=CLOSE_LINGER_S):
         """Stops the thread, closes every socket and fails every request
         still waiting for a reply; what is queued gets `linger` seconds to
-        leave (default CLOSE_LINGER_S; 0 where nothing queued matters)."""
+        leave (default CLOSE_LINGER_S; 0 where nothing queued matters).
+        The thread gets `timeout` + `linger` seconds to stop."""
         if self._stop:
             return
         self._linger = linger
         self._stop = True
         self._ring()
-        self._thread.join(timeout + CLOSE_LINGER_S)
+        self._thread.join(timeout + linger)
         with self._doorbell_lock:
             self._doorbell.close(linger=0)
         if self._thread.is_alive():
             # Its sockets are still open: term() would wait for them with
             # no bound. The thread is a daemon; the context is left to it.
             log.warning("keras_geeps I/O thread did not stop within %.0f s;"
-                        " closing without it", timeout + CLOSE_LINGER_S)
+                        " closing without it", timeout + linger)
         else:
             self._context.term()
         with self._lock:
