@@ -288,3 +288,46 @@ def test_a_read_timing_out_in_a_recovery_says_so(tmp_path):
             fast.read(pairs[0][1], clock=7)
     finally:
         cluster.stop()
+
+
+def test_a_shard_that_answered_a_leave_hears_no_more_of_the_worker(
+        tmp_path, monkeypatch):
+    """Two shards; the table lives on shard 0, so shard 1 answers worker
+    1's LEAVE at once while shard 0 waits for its checkpoint at 6. Shard
+    1 is restarted meanwhile: the closing client's heartbeats go only to
+    shard 0, which has yet to answer. Heard from again, shard 1 would
+    take worker 1 back as a member (its recovery says HELLO), and then,
+    once the client is closed, as a dead one: the job would stop."""
+    monkeypatch.setattr(client_module, "LEAVE_WAIT_S", 0.5)
+    cluster = LocalCluster(2, 2, processes=True, output=None, shard_args=[
+        "--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2",
+        "--on-worker-failure", "stop", "--worker-timeout", "1.5"])
+    try:
+        clients, tables = _clients(cluster)
+        assert [shard for shard, _, _ in tables[0].parts] == [0]
+        _step([(clients[1], tables[1])] * 6)
+        for _ in range(4):
+            _step([(clients[0], tables[0])])
+        closing = threading.Thread(target=clients[1].close)
+        closing.start()
+        deadline = time.monotonic() + 10
+        while checkpoint.load_job(str(tmp_path), 1, 2, 2)[1] != {1}:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # past the LEAVE wait: waiting for shard 0
+        assert closing.is_alive()
+        cluster.shards[1].kill()
+        cluster.shards[1] = cluster.shards[1].restart(["--restore"])
+        time.sleep(1.0)  # heartbeats of the closing client: 0.2 s apart
+        _step([(clients[0], tables[0])] * 2)
+        closing.join(10)
+        assert not closing.is_alive()
+        time.sleep(2.0)  # past shard 1's worker_timeout
+        stats = clients[0].shard_stats()
+        assert [s["failed"] for s in stats] == [None, None]
+        assert [s["left_workers"] for s in stats] == [[1], [1]]
+        np.testing.assert_array_equal(
+            clients[0].read(tables[0], clock=6), np.full((ROWS, WIDTH), 12))
+        clients[0].close()
+    finally:
+        cluster.stop()
