@@ -15,9 +15,17 @@ it shares its layers' non-trainable floating-point weights created in its
 scope (not an optimizer's slots or a metric's totals) the same way:
 worker 0 creates a table holding their values (one per dtype,
 `keras_geeps.initial.<n>:<dtype>`, n counting the client's such tables),
-and every other worker declares it and assigns what it reads
-at clock 0 into its variables. The table is never clocked or updated: a
-worker that rejoins a job under way reads the same starting values there.
+and every worker assigns what it reads there at clock 0 into its
+variables. The table is never clocked or updated: a worker that rejoins a
+job under way, worker 0 too, reads the job's starting values there, not
+its own new draw.
+
+But for the variables a worker wrote itself since it created them: a
+`keras.callbacks.BackupAndRestore` resuming `fit` (its backup holds the
+statistics averaged at the last epoch end, alike on every worker),
+`load_weights`, `set_weights`. Those keep what was written: the starting
+values would undo a resume's statistics on every worker but worker 0.
+
 It costs the shards, and each worker's cache, the variables' bytes once.
 Integer variables (random seed states, counters) are left as they are.
 """
@@ -25,6 +33,7 @@ Integer variables (random seed states, counters) are left as they are.
 import weakref
 
 import keras
+import tensorflow as tf
 
 from keras_geeps import ops
 
@@ -50,15 +59,17 @@ def shared_kinds(variables):
     return groups
 
 
-def share_initial_values(client, variables, row_width):
+def share_initial_values(client, variables, row_width, written=()):
     """Gives every worker worker 0's values of `variables` (collective:
     every worker calls it at the same point of its table order with the
-    same variables, in the same order).
+    same variables, in the same order), but for those `written`.
 
     Args:
         client: the worker's `GeePSClient`.
         variables: tf.Variables (non-trainable, held by no table).
         row_width: a function giving a table's row width from its size.
+        written: ids of those of `variables` this worker wrote since it
+            created them, which keep their values. Defaults to none.
 
     Returns:
         The number of variables whose values were shared.
@@ -83,8 +94,12 @@ def share_initial_values(client, variables, row_width):
         init = ops.pack(group, layout).numpy() if creator else None
         table = client.create_table(f"{TABLE_PREFIX}.{number}:{dtype}",
                                     total // width, width, dtype, init=init)
-        if not creator:
-            rows = client.read(table, clock=0)
-            ops.unpack(rows.reshape(-1), group, layout)
-        shared += len(group)
+        # (worker 0's own rows, or the job's where the table existed: a
+        # job resumed or rejoined)
+        rows = client.read(table, clock=0).reshape(-1)
+        kept = [(v, tf.identity(v)) for v in group if id(v) in written]
+        ops.unpack(rows, group, layout)
+        for variable, value in kept:
+            variable.assign(value)
+        shared += len(group) - len(kept)
     return shared

@@ -238,6 +238,9 @@ class ParameterSync:
         # (eager TF names every unnamed one 'Variable'): `_unique_path`
         self._tf_names = {}
         self._constants = []       # non-trainable ones (initial_values)
+        # ids of those written eagerly since (`note_outside_write`): a
+        # `BackupAndRestore` or `load_weights` value the build keeps
+        self._constants_written = set()
         self._updated = None
         self.capture_updates = capture_updates
         self._capture = None       # the UpdateCapture of the step traced now
@@ -278,6 +281,7 @@ class ParameterSync:
         self._layer_of = {}
         self._candidates = []
         self._constants = []
+        self._constants_written = set()
 
     def _check_open(self):
         if self.closed:
@@ -355,6 +359,9 @@ class ParameterSync:
         would without capture (`_tf_hooks`). No-op for other variables."""
         layer = self._layer_of.get(id(variable))
         if layer is None:
+            if self._constants and any(v is variable
+                                       for v in self._constants):
+                self._constants_written.add(id(variable))
             return
         layer.written_outside = True
         if layer.snapshot_stale and layer.measured_push and \
@@ -613,7 +620,8 @@ class ParameterSync:
         models in the same order). Worker 0's values initialise the tables;
         the others take them at their first pull. The non-trainable
         floating-point variables tracked so far (of `variables`, when
-        given) get worker 0's values here (`initial_values`). Variables
+        given) get worker 0's starting values here, but for those this
+        worker wrote since it created them (`initial_values`). Variables
         created after a build (a second model in the scope) get their
         tables at the next build, appended to `tables`.
 
@@ -681,10 +689,13 @@ class ParameterSync:
         # Right after the trainable ones' tables: every worker at the same
         # point of its table order.
         self._constants = constants_left
+        written = self._constants_written & _ids(constants)
+        self._constants_written -= written
         if constants:
             initial_values.share_initial_values(
                 self.client, constants,
-                lambda total: row_width(total, self.max_row_width))
+                lambda total: row_width(total, self.max_row_width),
+                written=written)
 
     def table_report(self):
         """A printable list of tables: layer, rows x width, bytes, shards."""

@@ -364,3 +364,123 @@ def test_every_worker_starts_from_worker_0s_non_trainable_weights(
     for path in end0:  # the statistics averaged, the rest trained alike
         np.testing.assert_allclose(end0[path], end1[path], rtol=1e-6)
     assert left0 == []  # nothing left to share at a later build
+
+
+def _killed_and_resumed(tmp_path, worker):
+    """Runs `worker(addresses, w, resumed)` for 2 worker threads against a
+    shard writing a checkpoint every clock, then again against it
+    restored from there: the results of the second run, by worker."""
+    from keras_geeps.shard import ShardServer  # noqa: PLC0415
+    from keras_geeps.shard.settings import ShardSettings  # noqa: PLC0415
+    settings = ShardSettings(checkpoint_dir=str(tmp_path / "ckpt"),
+                             checkpoint_every=1)
+    for resumed in (False, True):
+        shard = ShardServer("tcp://127.0.0.1:0", 0, 1, 2, settings,
+                            restore=resumed).start()
+        try:
+            results, errors = run_worker_threads(
+                2, lambda w: worker([shard.address], w, resumed),
+                timeout=120)
+        finally:
+            shard.stop()
+        assert not errors, errors[0]
+    return results
+
+
+def test_a_resumed_fit_keeps_the_statistics_its_backup_restored(tmp_path):
+    """A job killed in epoch 1 and resumed: the shards restored from
+    their checkpoint, each worker's `BackupAndRestore` restores the
+    statistics of epoch 0's end (alike on every worker; here set to 3 by
+    a callback, BatchNorm's momentum 1 keeping them so). The first step's
+    build shares the starting values of the non-trainable weights: it gave
+    worker 1 the job's starting ones (zeros) over its restored ones."""
+    from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
+    from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype(np.float32)
+    y = rng.normal(size=(32, 2)).astype(np.float32)
+
+    class SetThenDie(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.get_layer("bn").moving_mean.assign(np.full(4, 3.0))
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.model.optimizer.iterations.numpy() > 4:
+                raise RuntimeError("killed")
+
+    class Probe(keras.callbacks.Callback):
+        def __init__(self, seen):
+            super().__init__()
+            self.seen = seen
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append(
+                self.model.get_layer("bn").moving_mean.numpy().copy())
+
+    def worker(addresses, w, resumed):
+        strategy = GeePSStrategy(cluster=ClusterSpec(addresses, 2, w),
+                                 timeout=30)
+        seen = []
+        try:
+            with _BUILD, strategy.scope():
+                model = keras.Sequential([
+                    keras.Input((3,)), keras.layers.Dense(4, name="dense"),
+                    keras.layers.BatchNormalization(momentum=1.0, name="bn"),
+                    keras.layers.Dense(2, name="head")], name="model")
+                model.compile(optimizer=keras.optimizers.SGD(0.01),
+                              loss="mse", jit_compile=False)
+            callbacks = strategy.callbacks() + [
+                Probe(seen) if resumed else SetThenDie(),
+                keras.callbacks.BackupAndRestore(str(tmp_path / f"b{w}"))]
+            try:
+                model.fit(x[w::2], y[w::2], batch_size=4, epochs=2,
+                          verbose=0, callbacks=callbacks)
+            except RuntimeError:
+                assert not resumed
+            return seen
+        finally:
+            strategy.close()
+
+    results = _killed_and_resumed(tmp_path, worker)
+    for w in range(2):  # every step of the resumed epoch, on both
+        assert len(results[w]) == 4
+        for mean in results[w]:
+            np.testing.assert_array_equal(mean, np.full(4, 3.0))
+
+
+def test_a_resumed_worker_0_takes_the_jobs_starting_weights(tmp_path):
+    """Resumed with no backup, in processes seeded anew: worker 0 draws a
+    new frozen random projection, but the job's (its own from the first
+    run, on the shards) is what every worker trains with; it kept its new
+    draw, which no other worker held."""
+    from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
+    from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
+    x, y = (np.ones((8, 5), np.float32), np.ones((8, 2), np.float32))
+
+    def worker(addresses, w, resumed):
+        strategy = GeePSStrategy(cluster=ClusterSpec(addresses, 2, w),
+                                 timeout=30)
+        try:
+            with _BUILD, strategy.scope():
+                keras.utils.set_random_seed(100 + w + 10 * resumed)
+                frozen = _RandomProjection(name="frozen")
+                frozen.trainable = False
+                model = keras.Sequential([
+                    keras.Input((5,)), frozen,
+                    keras.layers.Dense(2, name="head")], name="m")
+                model.compile(optimizer="sgd", loss="mse", jit_compile=False)
+            drawn = np.array(frozen.proj.numpy())
+            model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                      callbacks=strategy.callbacks())
+            return drawn, np.array(frozen.proj.numpy())
+        finally:
+            strategy.close()
+
+    first = {}
+    results = _killed_and_resumed(
+        tmp_path, lambda a, w, resumed: first.setdefault(
+            (w, resumed), worker(a, w, resumed)))
+    job_start = first[0, False][0]
+    assert not np.array_equal(results[0][0], job_start)  # a new draw
+    for w in range(2):
+        np.testing.assert_array_equal(results[w][1], job_start)
