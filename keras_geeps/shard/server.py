@@ -152,6 +152,9 @@ class ShardServer:
         self._parked = []         # (identity, Message) reads waiting
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._unsent_reads = {}   # worker -> [[tracker]] of READ replies
+        # worker -> {table id: [tracker]} of the rows answering its last
+        # DECLARE or CREATE of that table (`_check_pushed`)
+        self._unsent_pushes = {}
         self._unsent_stats = []   # [(identity, tracker)] of STATS replies
         self._unsent_errors = UnsentReplies(MAX_UNSENT_ERRORS,
                                             MAX_UNSENT_ERRORS_ALL)
@@ -522,9 +525,11 @@ class ShardServer:
                 kept.popitem(last=False)
         return self._send(identity, reply, track=track)
 
-    def _send(self, identity, message, track=False):
+    def _send(self, identity, message, track=False, zero_copy=False):
         """Sends `message`; returns a tracker of the zero-copy frames (with
-        `track`), or None when nothing refers to them any more."""
+        `track`), or None when nothing refers to them any more. Its rows go
+        zero-copy whatever their size in a ROWS or STATS reply, or with
+        `zero_copy` (`_send_to`)."""
         frames = protocol.encode(message)
         self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes)
                                        else f.nbytes for f in frames)
@@ -538,7 +543,7 @@ class ShardServer:
             self.stats["sealed_held_back"] += not queued.done
             return queued if track else None
         return self._send_to(self._socket, [identity] + frames, track,
-                             rows_reply=message.type in (
+                             rows_reply=zero_copy or message.type in (
                                  MsgType.ROWS, MsgType.STATS_REPLY))
 
     def _send_to(self, sock, frames, track, rows_reply=False):
@@ -547,7 +552,8 @@ class ShardServer:
 
         On the plain socket the routing id and header are copied, and so
         are rows under zmq.COPY_THRESHOLD, except in a reply to a READ or
-        a STATS (`rows_reply`): those go zero-copy whatever their size
+        a STATS, or rows answering a DECLARE or CREATE (`rows_reply`):
+        those go zero-copy whatever their size
         (and are tracked: a STATS reply's tracker bounds how many wait for
         a peer, `_stats`), so that
         rows queued for a peer that sends READs and reads nothing are the
@@ -841,6 +847,7 @@ class ShardServer:
         """A new or dead worker process holds none of our buffers, and
         what was sent to an earlier one counts against no READ of it."""
         self._unsent_reads.pop(worker, None)
+        self._unsent_pushes.pop(worker, None)
         for table in self._tables.values():
             if table.lent is not None and table.lent[1] == worker:
                 # Never reused: a hung old process may still write into it.
@@ -1037,16 +1044,20 @@ class ShardServer:
 
     def _create(self, identity, message):
         table = self._table_for(message)
+        existing = table.ready and table.initialised is None
+        pushed = existing and message.meta.get("chunk_row", 0) == 0
+        if pushed:
+            self._check_pushed(message.worker, "CREATE", table.id)
         table.subscribers.add(message.worker)
         self._note_reader(message)
-        if table.ready and table.initialised is None:
+        if existing:
             # Restored from a checkpoint (or created before): the shard's
             # rows win over a restarted creator's fresh initial values.
             self._existing.setdefault(message.worker, set()).add(table.id)
             self._answer(identity, message, self._table_ack(
                 table, message.seq, existing=True))
-            if message.meta.get("chunk_row", 0) == 0:
-                self._push(table, message.worker)
+            if pushed:
+                self._push(table, message.worker, answering=True)
             return
         creator = (message.worker, self._incarnations.get(message.worker))
         if table.creator is not None and table.creator != creator and \
@@ -1084,11 +1095,13 @@ class ShardServer:
 
     def _declare(self, identity, message):
         table = self._table_for(message)
+        if table.ready:
+            self._check_pushed(message.worker, "DECLARE", table.id)
         table.subscribers.add(message.worker)
         self._note_reader(message)
         self._send(identity, self._table_ack(table, message.seq))
         if table.ready:
-            self._push(table, message.worker)
+            self._push(table, message.worker, answering=True)
 
     @staticmethod
     def _table_ack(table, seq, existing=False):
@@ -1128,6 +1141,20 @@ class ShardServer:
                                 message.seq, table.data)
         if sends:
             unsent.append(sends)
+
+    def _check_pushed(self, worker, request, table_id):
+        """Refuses `worker`'s DECLARE or CREATE (`request`) of a table
+        while the rows answering its last one are not sent yet: a peer
+        that repeats them and reads nothing would have the shard queue the
+        table's rows each time. (A worker declares each table once, and
+        again in a recovery, which declares every one of its tables at
+        once: those are not refused.)"""
+        sends = self._unsent_pushes.get(worker, {}).get(table_id, ())
+        if not all(t.done for t in sends):
+            raise RequestError(
+                f"the rows of table {table_id} answering worker {worker}'s "
+                f"last DECLARE or CREATE of it are not sent yet (it reads "
+                f"none of them): refusing this {request}")
 
     def _park(self, identity, message):
         """Keeps a read until its rows are fresh enough: at most
@@ -1477,18 +1504,28 @@ class ShardServer:
             return
         table.pool.put(data, self._trackers.pop(id(data), []))
 
-    def _push(self, table, worker):
+    def _push(self, table, worker, answering=False):
+        """Sends `table`'s rows to `worker`. `answering` its DECLARE or
+        CREATE: zero-copy, as a READ's (`_send_to`), and kept track of
+        (`_check_pushed`)."""
         identity = self._identities.get(worker)
-        if identity is not None:
-            self._send_rows(table, [identity], MsgType.PUSH, 0, table.data)
+        if identity is None:
+            return
+        sends = self._send_rows(table, [identity], MsgType.PUSH, 0,
+                                table.data, zero_copy=answering)
+        if answering:
+            self._unsent_pushes.setdefault(worker, {})[table.id] = sends
 
     def _chunks(self, table):
         return protocol.row_chunks(table.local_rows, table.width,
                                    table.dtype.itemsize,
                                    self.settings.chunk_bytes)
 
-    def _send_rows(self, table, identities, kind, seq, data):
-        """Sends `data` (never changed later) in row chunks, zero-copy.
+    def _send_rows(self, table, identities, kind, seq, data,
+                   zero_copy=False):
+        """Sends `data` (never changed later) in row chunks, zero-copy
+        (small ones copied, but for a ROWS reply or with `zero_copy`:
+        `_send_to`).
 
         Co-located workers get one reference to the buffer instead, and
         hold it until they RELEASE it.
@@ -1511,7 +1548,7 @@ class ShardServer:
             return trackers
         for start, end in self._chunks(table):
             trackers += self._send_chunk(table, identities, kind, seq, data,
-                                         start, end)
+                                         start, end, zero_copy)
         sending = [t for t in self._trackers.get(id(data), ()) if not t.done]
         self._trackers[id(data)] = sending + trackers
         return trackers
@@ -1532,7 +1569,8 @@ class ShardServer:
                                      clk=table.global_clock, seq=seq,
                                      meta=meta))
 
-    def _send_chunk(self, table, identities, kind, seq, data, start, end):
+    def _send_chunk(self, table, identities, kind, seq, data, start, end,
+                    zero_copy=False):
         meta = {"row_start": table.spec["row_start"],
                 "row_end": table.spec["row_end"], "chunk_row": start,
                 "ckpt": table.ckpt_clock}
@@ -1540,7 +1578,8 @@ class ShardServer:
                           seq=seq, arrays=[data[start:end]], meta=meta)
         trackers = []
         for identity in identities:
-            tracker = self._send(identity, message, track=True)
+            tracker = self._send(identity, message, track=True,
+                                 zero_copy=zero_copy)
             if tracker is not None:
                 trackers.append(tracker)
         return trackers
