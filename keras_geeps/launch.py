@@ -182,22 +182,25 @@ class ShardProcess:
         # Linux sends the parent-death signal when the *thread* that forked
         # exits, so only children of the main thread can use it.
         in_main = threading.current_thread() is threading.main_thread()
-        with _signals_held():
-            self.process = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent if in_main else None)
-        lines = _UntilReady()
-        self._pump = threading.Thread(
-            target=_pump, args=(self.process.stdout, f"[shard {shard_id}] ",
-                                output, lines), daemon=True)
-        self._pump.start()
+        self.process = None
         self.address = self.data_address = None
         self._asked = False
+        lines = _UntilReady()
         try:
+            with _signals_held():  # (what came meanwhile raises at its end)
+                self.process = subprocess.Popen(
+                    command, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent if in_main else None)
+            self._pump = threading.Thread(
+                target=_pump, args=(self.process.stdout,
+                                    f"[shard {shard_id}] ", output, lines),
+                daemon=True)
+            self._pump.start()
             self._wait_ready(lines, start_timeout)
         except BaseException:  # (a signal meanwhile too): none left behind
-            self.kill()
+            if self.process is not None:
+                self.kill()
             raise
         lines.done = True  # later lines only go to `output`
 

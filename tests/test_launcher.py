@@ -37,6 +37,35 @@ def test_a_stop_signal_during_a_spawn_waits_until_the_child_is_recorded():
             signal.signal(signum, handler)
 
 
+def test_a_stop_signal_during_a_shards_spawn_leaves_no_shard(monkeypatch):
+    """A SIGTERM that came while shard 1's process was being spawned
+    raised as the spawn ended, before the shard was recorded, and before
+    the guard that kills it: `launch` returned 143 with that shard still
+    running (in a library caller, for as long as the caller lived)."""
+    spawned = []
+    real_popen = launch_module.subprocess.Popen
+
+    class SignalledPopen(real_popen):
+        def __init__(self, command, *args, **kwargs):
+            super().__init__(command, *args, **kwargs)
+            if "keras_geeps.shard" in command and \
+                    command[command.index("--shard-id") + 1] == "1":
+                spawned.append(self.pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)  # (the handler has run by now)
+
+    monkeypatch.setattr(launch_module.subprocess, "Popen", SignalledPopen)
+    try:
+        code = launch([sys.executable, "-c", "import time; time.sleep(30)"],
+                      num_workers=1, num_shards=2, output=io.StringIO())
+        assert code == 128 + signal.SIGTERM
+        assert len(spawned) == 1 and not alive(spawned[0])
+    finally:
+        for pid in spawned:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_a_launcher_under_nohup_goes_on_after_a_hang_up(tmp_path):
     """The launcher replaced an inherited SIG_IGN of SIGHUP: `nohup
     keras-geeps launch ...` stopped the job at logout."""
