@@ -369,18 +369,31 @@ class SealedFrame:
 
 class Queued:
     """A message a `Sender` holds: `done` once it is sealed and handed to
-    ZeroMQ (its plain frames no longer read) or dropped. It answers what a
-    ZeroMQ `MessageTracker` does, so buffers behind it are reused after."""
+    ZeroMQ (its plain frames no longer read) or dropped, and, if
+    `tracked`, once ZeroMQ has sent it too. It answers what a ZeroMQ
+    `MessageTracker` does, so buffers behind it are reused after, and a
+    tracked one tells its owner what still waits for a peer that reads
+    nothing (the sealed copy of a small message, which no pacing holds
+    back, would otherwise count as sent at once)."""
 
-    __slots__ = ("frames",)
+    __slots__ = ("frames", "tracked", "tracker")
 
-    def __init__(self, frames):
+    def __init__(self, frames, tracked=False):
         self.frames = frames
+        self.tracked = tracked
+        self.tracker = None  # ZeroMQ's, once sent (if tracked)
+
+    @property
+    def sealed(self):
+        """True once the message was sealed and handed over, or dropped."""
+        return self.frames is None
 
     @property
     def done(self):
-        """True once nothing reads the plain frames any more."""
-        return self.frames is None
+        """True once nothing reads the plain frames any more (and, if
+        tracked, ZeroMQ no longer holds the sealed ones)."""
+        return self.frames is None and (self.tracker is None or
+                                        self.tracker.done)
 
 
 class Sender:
@@ -429,10 +442,11 @@ class Sender:
         self._trackers = collections.deque()
         self.moved = time.monotonic()  # when it last sent, or got work
 
-    def send(self, frames):
+    def send(self, frames, track=False):
         """Queues one message's plain frames and sends what it may.
-        Returns the message's `Queued`."""
-        queued = Queued(frames)
+        Returns the message's `Queued`, done only once ZeroMQ sent it
+        with `track`."""
+        queued = Queued(frames, track)
         if not self._queue:
             self.moved = time.monotonic()
         self._queue.append(queued)
@@ -454,10 +468,13 @@ class Sender:
             queued = queue.popleft()
             frames, queued.frames = queued.frames, None
             large = frame_view(frames[-1]).nbytes >= Buffers.MIN_BYTES
-            tracker = self._send(self.channel.seal(frames), large)
+            tracker = self._send(self.channel.seal(frames),
+                                 large or queued.tracked)
             self.moved = time.monotonic()
             if large and tracker is not None:
                 trackers.append(tracker)
+            if queued.tracked and tracker is not None:
+                queued.tracker = tracker
         return True
 
     @property

@@ -533,18 +533,22 @@ class ShardServer:
         frames = protocol.encode(message)
         self.stats["bytes_out"] += sum(len(f) if isinstance(f, bytes)
                                        else f.nbytes for f in frames)
+        rows_reply = zero_copy or message.type in (MsgType.ROWS,
+                                                   MsgType.STATS_REPLY)
         if isinstance(identity, tuple):  # ("sealed", session)
             session = self._sessions.get(identity[1])
             if session is None:
                 return None
             self.stats["sealed_out"] += 1
-            # Its frames are read until sealed: that is what to track.
-            queued = session.sender.send(frames)
-            self.stats["sealed_held_back"] += not queued.done
+            # Its frames are read until sealed: that is what to track; a
+            # reply whose tracker bounds how many wait for the peer, until
+            # ZeroMQ sent its sealed copy too (one under 64 KiB is sealed
+            # at once: done at once, it bounded nothing).
+            queued = session.sender.send(frames, track=track and rows_reply)
+            self.stats["sealed_held_back"] += not queued.sealed
             return queued if track else None
         return self._send_to(self._socket, [identity] + frames, track,
-                             rows_reply=zero_copy or message.type in (
-                                 MsgType.ROWS, MsgType.STATS_REPLY))
+                             rows_reply=rows_reply)
 
     def _send_to(self, sock, frames, track, rows_reply=False):
         """Sends routed `frames` on `sock`; their tracker with `track`,
@@ -560,11 +564,21 @@ class ShardServer:
         table's own buffers, which max_table_bytes counts (pooled until
         sent), not copies outside it (3000 READs of a 64 KB table took
         190 MB). The data socket's frames are `seal.Sender`'s, which
-        tracks the large ones it reuses; the rest are copied.
+        tracks the large ones it reuses and the replies that bound what
+        waits for a peer (`_send`); the rest are copied.
         """
         try:
             if sock is not self._socket:
-                return sock.send_multipart(frames, copy=False, track=track)
+                if not track:
+                    return sock.send_multipart(frames, copy=False)
+                # A frame under pyzmq's copy threshold is copied, and its
+                # tracker done at once: the last goes as a zero-copy frame
+                # whatever its size, so that its tracker tells when the
+                # message left (sealed frames are never written again).
+                last = zmq.Frame(frames[-1], copy=False, track=True,
+                                 copy_threshold=0)
+                sock.send_multipart(frames[:-1] + [last], copy=False)
+                return last.tracker
             trackers = []
             last = len(frames) - 1
             for i, frame in enumerate(frames):

@@ -272,12 +272,14 @@ class _HandSession:
     """A sealed session driven by hand: HELLO over CURVE (keys of
     "worker"), then requests sealed on the shard's data socket, each under
     the next sequence number. `hello()` starts a new session (the worker's
-    sequence numbers go on)."""
+    sequence numbers go on). `data_options`: socket options of the data
+    socket."""
 
-    def __init__(self, keys, shard, worker=0):
+    def __init__(self, keys, shard, worker=0, data_options=()):
         import zmq  # noqa: PLC0415
         self._zmq, self._keys, self._shard = zmq, keys, shard
         self.worker = worker
+        self._data_options = data_options
         self.context = zmq.Context()
         self.seqs = iter(range(1, 10 ** 6))
         self.main = self.data = self.channel = None
@@ -303,6 +305,8 @@ class _HandSession:
             self.data.close()
         self.data = self.context.socket(zmq.DEALER)
         self.data.setsockopt(zmq.LINGER, 0)
+        for option, value in self._data_options:
+            self.data.setsockopt(option, value)
         self.data.setsockopt(zmq.ROUTING_ID, bytes.fromhex(session))
         self.data.plain_username, self.data.plain_password = (
             session.encode(), token.encode())
@@ -340,6 +344,71 @@ class _HandSession:
 
     def close(self):
         self.context.destroy(linger=0)
+
+
+def _keyed_stats(keys, address):
+    """A keyed shard's STATS, asked over CURVE with no HELLO (as `keras-geeps
+    stats` does)."""
+    import zmq  # noqa: PLC0415
+
+    from keras_geeps import protocol  # noqa: PLC0415
+    from keras_geeps.protocol import Message, MsgType  # noqa: PLC0415
+    with zmq.Context() as context, context.socket(zmq.DEALER) as sock:
+        sock.setsockopt(zmq.LINGER, 0)
+        worker_keys(keys).apply(sock, 0)
+        sock.connect(address)
+        sock.send_multipart(protocol.encode(Message(MsgType.STATS, seq=1)))
+        assert sock.poll(10000), "no STATS reply"
+        return protocol.stats_of(protocol.decode(sock.recv_multipart()))
+
+
+@pytest.mark.parametrize("request_type", ["READ", "DECLARE"])
+def test_sealed_replies_a_worker_never_reads_are_bounded(keys, request_type):
+    """A keyed worker's session sends READs (or DECLAREs) of a 64 KB table
+    and reads nothing. A sealed reply under 64 KiB counted as sent once
+    sealed: past MAX_UNSENT_READS nothing was refused, and 3000 sealed
+    copies (+187 MB) queued outside max_table_bytes. Such replies are now
+    tracked until ZeroMQ sent them, as on the plain socket."""
+    import zmq  # noqa: PLC0415
+
+    from keras_geeps.protocol import MsgType  # noqa: PLC0415
+    from tests import rss_bytes  # noqa: PLC0415
+
+    width = 16_000  # 64,000 bytes: below pyzmq's copy threshold
+    meta = {"name": "t", "rows": 1, "width": width, "dtype": "float32",
+            "row_start": 0, "row_end": 1}
+    cluster = keyed_cluster(keys, shard_args=[
+        "--max-table-bytes", str(1 << 20), "--no-shared-memory"])
+    hand = _HandSession(keys, cluster.shards[0], data_options=[
+        (zmq.RCVHWM, 1), (zmq.RCVBUF, 4096)])
+    try:
+        hand.data.send_multipart(hand.sealed(
+            MsgType.CREATE, table=0, meta=dict(meta, chunk_row=0),
+            arrays=[np.ones((1, width), np.float32)]))
+        assert [m.type for m in hand.answers()] == [MsgType.ACK]
+        pid = cluster.shards[0].process.pid
+        before = rss_bytes(pid)
+        sent = 3000
+        request = dict(clk=0) if request_type == "READ" else dict(meta=meta)
+        for _ in range(sent):
+            hand.data.send_multipart(hand.sealed(
+                getattr(MsgType, request_type), table=0, **request))
+        deadline = time.monotonic() + 60
+        while (stats := _keyed_stats(keys, cluster.addresses[0]))[
+                "messages_in"] < sent + 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stats["errors"] >= sent // 2, stats["errors"]
+        assert rss_bytes(pid) - before < sent * width * 4 // 8
+        got = hand.answers(2000)  # it reads at last: each one answered
+        answered = [m for m in got if m.type != MsgType.PUSH]
+        assert len(answered) == sent
+        refusals = [m for m in answered if m.type == MsgType.ERROR]
+        assert len(refusals) == stats["errors"]
+        assert "not sent yet (it reads none of them)" in \
+            refusals[0].meta["error"]
+    finally:
+        hand.close()
+        cluster.stop()
 
 
 def test_forged_messages_in_a_live_session_are_dropped(keys, curve_cluster):
