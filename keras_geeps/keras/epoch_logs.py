@@ -54,7 +54,10 @@ def _check_clocks(means, epoch, clock):
     differ: the mean of their squares is then more than their mean's
     square (equal ones give it exactly, in float64, below 2**26 steps).
     Workers that ran different numbers of steps would otherwise wait for
-    each other's clocks until the timeout, blaming no data."""
+    each other's clocks until the timeout, blaming no data. (Only those
+    that got here: a worker more steps ahead than the slack allows waits
+    in its step for the others' clocks, and they here for its, until the
+    timeout.)"""
     mean, square = means[_CLOCK], means[_CLOCK_SQUARE]
     if clock is None or not (np.isfinite(mean) and np.isfinite(square)):
         return
