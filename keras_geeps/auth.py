@@ -13,6 +13,7 @@ import hmac
 import os
 import re
 import shutil
+import stat
 import tempfile
 
 import zmq
@@ -47,6 +48,22 @@ def pair_paths(directory, name):
             for suffix in ("", "_secret")]
 
 
+def check_key_folder(directory):
+    """Raises ValueError if `directory` exists and others may replace the
+    files in it: writable by its group or everyone, with no sticky bit
+    (which /tmp has). A public key there could be swapped for theirs
+    before it is copied to the peers."""
+    try:
+        mode = os.stat(directory).st_mode
+    except FileNotFoundError:
+        return  # (created private)
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        raise ValueError(f"{directory} may be written by others (mode "
+                         f"{oct(mode & 0o7777)}, no sticky bit), who could "
+                         f"replace the keys written there: use a private "
+                         f"folder, or chmod go-w it")
+
+
 def keygen(directory, name, overwrite=False):
     """Writes `<name>.key` (public) and `<name>.key_secret` into `directory`.
 
@@ -66,7 +83,8 @@ def keygen(directory, name, overwrite=False):
     Raises:
         FileExistsError: the pair exists and `overwrite` is False.
         ValueError: a `name` that is not a plain file name stem
-            (`check_key_name`).
+            (`check_key_name`), or a `directory` others may write to
+            (`check_key_folder`).
 
     Example:
 
@@ -78,6 +96,7 @@ def keygen(directory, name, overwrite=False):
     """
     require_curve()
     check_key_name(name)
+    check_key_folder(directory)
     os.makedirs(directory, mode=0o700, exist_ok=True)
     existing = [p for p in pair_paths(directory, name)
                 if os.path.exists(p)]

@@ -181,9 +181,10 @@ def _cmd_align_checkpoints(args):
 
 
 def _cmd_keygen(args):
-    from keras_geeps.auth import (check_key_name, keygen,  # noqa: PLC0415
-                                  pair_paths)
+    from keras_geeps.auth import (check_key_folder,  # noqa: PLC0415
+                                  check_key_name, keygen, pair_paths)
     try:  # every name first: a bad one writes no pair
+        check_key_folder(args.directory)
         for name in args.names:
             check_key_name(name)
         if len(set(args.names)) != len(args.names):

@@ -521,6 +521,24 @@ def test_keygen_refuses_names_that_are_paths_and_writes_nothing(tmp_path):
     assert _cli("keygen", str(keys), "w.0_a-1").returncode == 0
 
 
+def test_keygen_refuses_a_folder_others_may_write_to(tmp_path):
+    """Others who may write to the folder (no sticky bit) could swap a
+    public key for theirs before it is copied to the peers: refused, with
+    nothing written. A folder with the sticky bit (as /tmp) is fine."""
+    keys = tmp_path / "shared"
+    keys.mkdir()
+    keys.chmod(0o777)
+    result = _cli("keygen", str(keys), "shard")
+    assert result.returncode == 2, result.stderr
+    assert "may be written by others (mode 0o777, no sticky bit)" in \
+        result.stderr
+    assert not list(keys.iterdir())
+    with pytest.raises(ValueError, match="may be written by others"):
+        keygen(str(keys), "shard")
+    keys.chmod(0o1777)
+    assert _cli("keygen", str(keys), "shard").returncode == 0
+
+
 def test_launch_aligns_checkpoints_before_restoring_a_whole_job(tmp_path):
     """A job killed between its two shards' checkpoint writes: `launch`
     with --restore first takes the table back to the clock both hold, and
