@@ -480,6 +480,19 @@ def test_pooled_buffers_of_a_slow_reader_count_against_the_limit(servers):
         slow.close()
 
 
+def _a_table_and_a_deaf_peer(servers, rows):
+    """A shard (2 workers, max_table_bytes 1 MiB) holding table 0 (`rows`
+    x 1 of ones) made by worker 0's peer; worker 1's peer reads almost
+    nothing (its ZeroMQ takes one message, its socket 4 KB). Returns
+    (server, creator, deaf)."""
+    server = servers(num_workers=2, max_table_bytes=1 << 20)
+    creator = servers.peer(server, 0)
+    _create(creator, rows, 1, value=1.0)
+    deaf = RawPeer(server.address, 1, options=[(zmq.RCVHWM, 1),
+                                               (zmq.RCVBUF, 4096)])
+    return server, creator, deaf
+
+
 def test_replies_a_peer_never_reads_are_bounded(servers):
     """A peer that sends READs and reads nothing (its ZeroMQ stops taking
     from TCP) makes the shard queue the replies. Rows under 64 KiB were
@@ -488,12 +501,8 @@ def test_replies_a_peer_never_reads_are_bounded(servers):
     counted buffer), and past MAX_UNSENT_READS replies not yet sent the
     peer's READs are refused, until it reads."""
     rows = 16_000  # 64,000 bytes: below pyzmq's copy threshold
-    server = servers(num_workers=2, max_table_bytes=1 << 20)
+    server, creator, deaf = _a_table_and_a_deaf_peer(servers, rows)
     table_spec = spec(rows, 1)
-    creator = servers.peer(server, 0)
-    _create(creator, rows, 1, value=1.0)
-    deaf = RawPeer(server.address, 1, options=[(zmq.RCVHWM, 1),
-                                               (zmq.RCVBUF, 4096)])
     try:
         assert deaf.ask(MsgType.HELLO, meta={
             "incarnation": 1}).type == MsgType.WELCOME
@@ -545,12 +554,8 @@ def test_rows_answering_requests_a_peer_never_reads_are_not_repeated(
     the last ones still wait to go to that peer: every request is
     answered, none refused, and the rows come once."""
     rows = 16_000  # 64,000 bytes: below pyzmq's copy threshold
-    server = servers(num_workers=2, max_table_bytes=1 << 20)
+    server, creator, deaf = _a_table_and_a_deaf_peer(servers, rows)
     table_spec = spec(rows, 1)
-    creator = servers.peer(server, 0)
-    _create(creator, rows, 1, value=1.0)
-    deaf = RawPeer(server.address, 1, options=[(zmq.RCVHWM, 1),
-                                               (zmq.RCVBUF, 4096)])
     kind = getattr(MsgType, request_type)
     request = dict(meta=table_spec) if kind == MsgType.DECLARE else dict(
         meta=dict(table_spec, chunk_row=0),
