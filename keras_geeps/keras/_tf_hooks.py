@@ -183,6 +183,13 @@ _current = threading.local()
 _all_syncs = weakref.WeakSet()  # every open ParameterSync
 
 
+def restoring():
+    """Whether this thread runs `fit`'s callbacks' `on_train_begin` (where
+    `BackupAndRestore` restores its backup): eager writes then are
+    restores (`ParameterSync.note_outside_write`)."""
+    return getattr(_current, "restoring", False)
+
+
 def track_sync(sync):
     """Registers a new `ParameterSync`: Keras' end of `fit` and its errors
     are handled through it (`install_fit_hooks`)."""
@@ -433,7 +440,11 @@ def install_fit_hooks():
     def fitting(self, *args, **kwargs):
         self._geeps_fitting = True  # (this list: fit's own)
         self._geeps_statistics_averaged = False
-        result = on_train_begin(self, *args, **kwargs)
+        _current.restoring = True
+        try:
+            result = on_train_begin(self, *args, **kwargs)
+        finally:
+            _current.restoring = False
         # After the callbacks' own (BackupAndRestore sets the epoch too).
         model, strategy = strategy_of(self)
         start = rejoin.line_up(strategy, model, self.params.get("steps"))

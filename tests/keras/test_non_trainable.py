@@ -321,6 +321,18 @@ class _RandomProjection(keras.layers.Layer):
         return keras.ops.relu(x @ self.proj)
 
 
+class _AssignedProjection(_RandomProjection):
+    """A fixed random projection its layer draws in `build` and assigns
+    (an eager write before any fit, which is no restore)."""
+
+    def build(self, input_shape):
+        self.proj = self.add_weight(shape=(input_shape[-1], 6),
+                                    initializer="zeros", trainable=False,
+                                    name="proj")
+        self.proj.assign(np.random.normal(  # (set_random_seed seeds it)
+            size=(input_shape[-1], 6)).astype("float32"))
+
+
 def test_every_worker_starts_from_worker_0s_non_trainable_weights(
         thread_cluster):
     """Workers seeded differently (as processes without a common seed)
@@ -340,8 +352,11 @@ def test_every_worker_starts_from_worker_0s_non_trainable_weights(
                 keras.utils.set_random_seed(100 + w)
                 frozen = _RandomProjection(name="frozen")
                 frozen.trainable = False
+                assigned = _AssignedProjection(name="ap")
+                assigned.trainable = False
                 model = keras.Sequential([
                     keras.Input((5,)), _RandomProjection(name="rp"), frozen,
+                    keras.layers.Dense(5, name="to5"), assigned,
                     keras.layers.BatchNormalization(name="bn"),
                     keras.layers.Dense(2, name="head")], name="m")
                 model.compile(optimizer=keras.optimizers.Adam(0.01),
@@ -357,7 +372,7 @@ def test_every_worker_starts_from_worker_0s_non_trainable_weights(
     results, errors = run_worker_threads(2, worker)
     assert not errors, errors[0]
     (start0, end0, left0), (start1, end1, _) = results[0], results[1]
-    for path in ("m/rp/proj", "m/frozen/proj"):
+    for path in ("m/rp/proj", "m/frozen/proj", "m/ap/proj"):
         assert not np.array_equal(start0[path], start1[path])
         np.testing.assert_array_equal(end0[path], start0[path])
         np.testing.assert_array_equal(end1[path], start0[path])
