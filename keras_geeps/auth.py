@@ -50,13 +50,18 @@ def pair_paths(directory, name):
 
 def check_key_folder(directory):
     """Raises ValueError if `directory` exists and others may replace the
-    files in it: writable by its group or everyone, with no sticky bit
-    (which /tmp has). A public key there could be swapped for theirs
-    before it is copied to the peers."""
+    files in it: another user owns it (not root), or it is writable by its
+    group or everyone with no sticky bit (which /tmp has). A public key
+    there could be swapped for theirs before it is copied to the peers."""
     try:
-        mode = os.stat(directory).st_mode
+        info = os.stat(directory)
     except FileNotFoundError:
         return  # (created private)
+    mode = info.st_mode
+    if info.st_uid not in (os.getuid(), 0):
+        raise ValueError(f"{directory} belongs to another user (uid "
+                         f"{info.st_uid}), who could replace the keys "
+                         f"written there: use a folder of your own")
     if mode & 0o022 and not mode & stat.S_ISVTX:
         raise ValueError(f"{directory} may be written by others (mode "
                          f"{oct(mode & 0o7777)}, no sticky bit), who could "

@@ -539,6 +539,18 @@ def test_keygen_refuses_a_folder_others_may_write_to(tmp_path):
     assert _cli("keygen", str(keys), "shard").returncode == 0
 
 
+@pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
+def test_keygen_refuses_a_folder_another_user_owns(tmp_path):
+    """Its owner may replace any file in it, sticky bit or not."""
+    keys = tmp_path / "theirs"
+    keys.mkdir(mode=0o1777)
+    os.chown(keys, 65534, 65534)  # nobody
+    result = _cli("keygen", str(keys), "shard")
+    assert result.returncode == 2, result.stderr
+    assert "belongs to another user (uid 65534)" in result.stderr
+    assert not list(keys.iterdir())
+
+
 def test_launch_aligns_checkpoints_before_restoring_a_whole_job(tmp_path):
     """A job killed between its two shards' checkpoint writes: `launch`
     with --restore first takes the table back to the clock both hold, and
