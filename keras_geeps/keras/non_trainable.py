@@ -123,12 +123,35 @@ class NonTrainableAverager:
                      f"or pass GeePSStrategy(average_non_trainable=False)",
             what="averaging the non-trainable variables (BatchNorm "
                  "statistics)")
-        offset = 0
-        for variable in variables:  # (cast by assign)
-            size = int(np.prod(variable.shape))
-            variable.assign(means[offset:offset + size].reshape(
-                variable.shape))
-            offset += size
+        _assign(variables, means)
+        return len(variables)
+
+    def adopt(self, model):
+        """Sets each of `averaged_variables(model)` to the others' mean at
+        their last barrier, which this worker took part in with nothing
+        (`WorkerMean.skip`) or missed: a worker that rejoined a job under
+        way (`keras/rejoin.py`) starts from the others' statistics, not
+        from the job's starting ones. Waits for the others to finish that
+        barrier.
+
+        Returns:
+            The number of variables set: none with one worker, before the
+            first barrier, or where the others' variables differ.
+        """
+        if self.client.num_workers == 1:
+            return 0
+        variables = averaged_variables(model, self.sync)
+        if not variables:
+            return 0
+        mean, _, key = self._mean_of(variables)
+        try:
+            self.client.table(mean.name)
+        except KeyError:  # (made by no worker yet: not made here either,
+            return 0      # out of the others' table order)
+        means = mean.last(key)
+        if means is None:
+            return 0
+        _assign(variables, means)
         return len(variables)
 
     def worker_mean(self, model):
@@ -149,3 +172,12 @@ class NonTrainableAverager:
             mean = means_of[key] = WorkerMean(
                 self.client, f"{TABLE_PREFIX}.{len(means_of)}", size)
         return mean, layout, key
+
+
+def _assign(variables, values):
+    """Sets `variables` (in order) from the flat float64 `values`."""
+    offset = 0
+    for variable in variables:  # (cast by assign)
+        size = int(np.prod(variable.shape))
+        variable.assign(values[offset:offset + size].reshape(variable.shape))
+        offset += size

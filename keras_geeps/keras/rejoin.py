@@ -20,7 +20,9 @@ epoch end's barriers with nothing of its own (`WorkerMean.skip`), and its
 an epoch it starts there instead. Either way every worker then ends its
 epochs, and the job, together, as Horovod's elastic workers join at the
 next commit. The rejoined worker's optimizer state starts anew (or from its
-`BackupAndRestore`), its data from the start of its part.
+`BackupAndRestore`), its data from the start of its part, and its averaged
+statistics (BatchNorm's) from the others' at that epoch end
+(`NonTrainableAverager.adopt`), not from the job's first ones.
 
 Where the others' place cannot be read (no epoch has ended since the job
 started, the logs are not averaged, the steps per epoch are unknown, or the
@@ -103,6 +105,9 @@ def line_up(strategy, model, steps_per_epoch):
         for mean in skips:
             mean.skip()
         start = epoch + 2
+    if strategy.non_trainable is not None:
+        # The others' statistics at that epoch end, not the job's first.
+        strategy.non_trainable.adopt(model)
     _LINED_UP.add(client)
     return start
 

@@ -159,7 +159,7 @@ class WorkerMean:
         means[nan | (pos & neg)] = np.nan
         return means
 
-    def last(self):
+    def last(self, key=None):
         """The means of the last barrier the workers completed, as `mean`
         returned them there, without taking part in one: what a worker
         that rejoined a job under way reads to learn where the others are.
@@ -168,8 +168,13 @@ class WorkerMean:
         barrier it would join next): the row there holds the last
         barrier's sums alone.
 
+        Args:
+            key: the key the values there must have been sent with (what
+                they mean), or None for any. Defaults to None.
+
         Returns:
-            A float64 array of `size`, or None before the first barrier.
+            A float64 array of `size`, or None before the first barrier
+            (or when its key is not `key`).
         """
         table = self.table()
         clock = table.clock
@@ -177,7 +182,9 @@ class WorkerMean:
             return None
         last = self.client.read(table, clock=clock + self.client.slack)[0]
         count = int(round(last[0]))
-        return self._means(last, count) if count >= 1 else None
+        if count < 1 or key is not None and last[1] != count * key:
+            return None
+        return self._means(last, count)
 
     def skip(self):
         """Takes part in this worker's next barrier with no values: the

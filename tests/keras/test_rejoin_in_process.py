@@ -56,7 +56,8 @@ def _rejoin_and_fit(thread_cluster, first_steps, batchnorm=False,
     by `fit` and then runs `first_steps(first, model)` by hand; worker 1
     then rejoins and fits 3 epochs while worker 0 goes on by hand (two
     more epoch ends). Returns (worker 1's epochs, worker 0's error or
-    None, both strategies' parameter clocks)."""
+    None, both strategies' parameter clocks, and with `batchnorm` worker
+    1's statistics as its fit began and worker 0's after `then()`)."""
     cluster = thread_cluster(1, 2, settings=ShardSettings(
         worker_timeout=1, on_worker_failure="continue"))
     first = GeePSStrategy(client=cluster.client(0, timeout=15,
@@ -69,11 +70,16 @@ def _rejoin_and_fit(thread_cluster, first_steps, batchnorm=False,
     silent.close()
     again = GeePSStrategy(client=cluster.client(1, timeout=15,
                                                 heartbeat_interval=0.2))
-    errors = []
+    errors, statistics = [], {}
+
+    def bn_mean(of):
+        return np.array(of.get_layer("bn").moving_mean.numpy())
 
     def worker0():
         try:
             then()
+            if batchnorm:
+                statistics[0] = bn_mean(model)
             _steps(first, model)
             _epoch_end(first, model, 2, batchnorm)
         except Exception as exc:  # noqa: BLE001 - reported below
@@ -84,11 +90,14 @@ def _rejoin_and_fit(thread_cluster, first_steps, batchnorm=False,
         assert again.client.rejoined_at is not None
         thread = threading.Thread(target=worker0)
         thread.start()
+        began = keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: statistics.setdefault(
+                1, bn_mean(rejoined)) if batchnorm else None)
         history = rejoined.fit(X, Y, batch_size=BATCH, epochs=3,
-                               shuffle=False, verbose=0)
+                               shuffle=False, verbose=0, callbacks=[began])
         thread.join(60)
         clocks = [s.parameter_sync.clock for s in (first, again)]
-        return history.epoch, (errors or [None])[0], clocks
+        return history.epoch, (errors or [None])[0], clocks, statistics
     finally:
         again.close()
         first.close()
@@ -98,17 +107,21 @@ def test_a_rejoin_between_the_logs_and_the_statistics_barrier(
         thread_cluster):
     """Worker 0 passed epoch 1's logs barrier, not yet its statistics
     barrier, when worker 1 rejoins: that barrier now waits for worker 1,
-    which takes part with nothing, and both go on to the same clock."""
+    which takes part with nothing, and both go on to the same clock.
+    Worker 1 begins its epoch with worker 0's statistics of that barrier
+    (it began with the job's first ones: zeros)."""
     def first_steps(first, model):
         _steps(first, model)
         _epoch_end(first, model, 1, statistics=False)
         return lambda: first.non_trainable.average(model)
 
-    epochs, error, clocks = _rejoin_and_fit(thread_cluster, first_steps,
-                                            batchnorm=True)
+    epochs, error, clocks, statistics = _rejoin_and_fit(
+        thread_cluster, first_steps, batchnorm=True)
     assert error is None, error
     assert epochs == [2]
     assert clocks[0] == clocks[1] == 12
+    assert np.abs(statistics[0]).max() > 0.01
+    np.testing.assert_allclose(statistics[1], statistics[0], rtol=1e-6)
 
 
 def test_a_frozen_layers_table_holds_nothing_back(thread_cluster):
@@ -120,8 +133,8 @@ def test_a_frozen_layers_table_holds_nothing_back(thread_cluster):
         return lambda: (_steps(first, model, 2),
                         _epoch_end(first, model, 1, statistics=False))
 
-    epochs, error, clocks = _rejoin_and_fit(thread_cluster, first_steps,
-                                            freeze=True)
+    epochs, error, clocks, _ = _rejoin_and_fit(thread_cluster, first_steps,
+                                               freeze=True)
     assert error is None, error
     assert epochs == [2]
     assert clocks[0] == clocks[1] == 12
