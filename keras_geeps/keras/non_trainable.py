@@ -107,9 +107,7 @@ class NonTrainableAverager:
             GeePSTimeoutError: a worker did not reach this epoch's end in
                 the client's timeout.
         """
-        if self.client.num_workers == 1:
-            return 0
-        variables = averaged_variables(model, self.sync)
+        variables = self._averaged(model)
         if not variables:
             return 0
         mean, layout, key = self._mean_of(variables)
@@ -138,9 +136,7 @@ class NonTrainableAverager:
             The number of variables set: none with one worker, before the
             first barrier, or where the others' variables differ.
         """
-        if self.client.num_workers == 1:
-            return 0
-        variables = averaged_variables(model, self.sync)
+        variables = self._averaged(model)
         if not variables:
             return 0
         mean, _, key = self._mean_of(variables)
@@ -153,6 +149,12 @@ class NonTrainableAverager:
             return 0
         _assign(variables, means)
         return len(variables)
+
+    def _averaged(self, model):
+        """`averaged_variables(model)`, or none with one worker."""
+        if self.client.num_workers == 1:
+            return []
+        return averaged_variables(model, self.sync)
 
     def worker_mean(self, model):
         """The `WorkerMean` `model`'s statistics are averaged through (its
