@@ -595,6 +595,36 @@ def test_rows_answering_requests_a_peer_never_reads_are_not_repeated(
         deaf.close()
 
 
+def test_a_declare_after_part_of_its_rows_came_gets_them_all(servers):
+    """A worker took the first chunks of a table's rows (a `create_table`
+    that failed drops them, and is tried again) and declares it again:
+    the rest of the first push did not give it row 0 again, and the
+    retried creation waited for rows that never came. The rows go
+    again once any of the last ones went."""
+    rows, chunk = 1 << 20, 64 << 10  # 4 MiB of float32: 64 chunks
+    server = servers(num_workers=2, chunk_bytes=chunk)
+    creator = servers.peer(server, 0)
+    _create(creator, rows, 1, value=1.0)
+    slow = RawPeer(server.address, 1, options=[(zmq.RCVHWM, 1),
+                                               (zmq.RCVBUF, 4096)])
+    try:
+        assert slow.ask(MsgType.HELLO, meta={
+            "incarnation": 1}).type == MsgType.WELCOME
+        slow.send(slow.message(MsgType.DECLARE, table=0, meta=spec(rows, 1)))
+        taken = [slow.recv() for _ in range(4)]  # the ACK and 3 chunks
+        assert [m.type for m in taken] == [MsgType.ACK] + [MsgType.PUSH] * 3
+        reply = slow.ask(MsgType.DECLARE, table=0, meta=spec(rows, 1))
+        rest = [reply] + slow.drain(1000)
+        pushed = [m for m in rest if m.type == MsgType.PUSH]
+        starts = [m.meta["chunk_row"] for m in pushed]
+        assert starts.count(0) == 1  # the rows again, from row 0
+        assert sum(m.arrays[0].shape[0] for m in pushed) == 2 * rows - \
+            sum(m.arrays[0].shape[0] for m in taken[1:])
+        assert server.snapshot_stats()["pushes_skipped"] == 0
+    finally:
+        slow.close()
+
+
 def test_a_reconnecting_worker_gets_the_rows_its_declare_asks_for(servers):
     """A worker's recovery declares a table right behind a DECLARE of its
     own it held back (a link that broke in `create_table`), or after a

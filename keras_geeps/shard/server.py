@@ -1155,17 +1155,19 @@ class ShardServer:
     def _answering_push(self, table, worker):
         """Pushes `table`'s rows to `worker` answering its DECLARE or
         CREATE, zero-copy (as a READ's rows: `_send_to`), but not while
-        the rows answering its last one of the table still wait to go to
-        the same connection: they come first, and any later clock's rows
-        follow as they do to every subscriber. A peer that repeats such
-        requests and reads nothing had the shard queue the rows each time
-        (3000 DECLAREs of a 64 KB table: +181 MB). (Not refused: a worker
-        declares a table again in a recovery, right behind a request of
-        its own it held back.)"""
+        none of the rows answering its last one of the table has gone to
+        the same connection yet: they all come next, and any later
+        clock's rows follow as they do to every subscriber. (Once some
+        went, the worker may have dropped them, a table whose creation
+        failed and is tried again: its rows go again.) A peer that
+        repeats such requests and reads nothing had the shard queue a copy
+        of the rows each time (3000 DECLAREs of a 64 KB table: +181 MB).
+        (Not refused: a worker declares a table again in a recovery, right
+        behind a request of its own it held back.)"""
         identity = self._identities.get(worker)
         last = self._unsent_pushes.get(worker, {}).get(table.id)
-        if last is not None and last[0] == identity and \
-                not all(t.done for t in last[1]):
+        if last is not None and last[0] == identity and last[1] and \
+                not any(t.done for t in last[1]):
             self.stats["pushes_skipped"] += 1
             return
         sends = self._push(table, worker, answering=True)
