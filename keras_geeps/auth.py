@@ -49,24 +49,39 @@ def pair_paths(directory, name):
 
 
 def check_key_folder(directory):
-    """Raises ValueError if `directory` exists and others may replace the
-    files in it: another user owns it (not root), or it is writable by its
-    group or everyone with no sticky bit (which /tmp has). A public key
-    there could be swapped for theirs before it is copied to the peers."""
-    try:
-        info = os.stat(directory)
-    except FileNotFoundError:
-        return  # (created private)
-    mode = info.st_mode
-    if info.st_uid not in (os.getuid(), 0):
-        raise ValueError(f"{directory} belongs to another user (uid "
-                         f"{info.st_uid}), who could replace the keys "
-                         f"written there: use a folder of your own")
-    if mode & 0o022 and not mode & stat.S_ISVTX:
-        raise ValueError(f"{directory} may be written by others (mode "
-                         f"{oct(mode & 0o7777)}, no sticky bit), who could "
-                         f"replace the keys written there: use a private "
-                         f"folder, or chmod go-w it")
+    """Raises ValueError if others may replace the files `directory` will
+    hold: a folder on its path (or a link there), as given or resolved,
+    that another user owns (not root), or that its group or everyone may
+    write to with no sticky bit (which /tmp has). A public key there could
+    be swapped for theirs before it is copied to the peers (as OpenSSH's
+    StrictModes checks a key's folders)."""
+    for path in _ancestors(os.path.abspath(directory)) + _ancestors(
+            os.path.realpath(directory)):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue  # (created private)
+        if info.st_uid not in (os.getuid(), 0):
+            raise ValueError(f"{path} belongs to another user (uid "
+                             f"{info.st_uid}), who could replace the keys "
+                             f"written in {directory}: use a folder of "
+                             f"your own")
+        mode = info.st_mode
+        if not stat.S_ISLNK(mode) and mode & 0o022 and \
+                not mode & stat.S_ISVTX:
+            raise ValueError(f"{path} may be written by others (mode "
+                             f"{oct(mode & 0o7777)}, no sticky bit), who "
+                             f"could replace the keys written in "
+                             f"{directory}: use a private folder, or chmod "
+                             f"go-w it")
+
+
+def _ancestors(path):
+    """`path` and every folder above it, up to /."""
+    paths = [path]
+    while os.path.dirname(paths[-1]) != paths[-1]:
+        paths.append(os.path.dirname(paths[-1]))
+    return paths
 
 
 def keygen(directory, name, overwrite=False):

@@ -541,14 +541,25 @@ def test_keygen_refuses_a_folder_others_may_write_to(tmp_path):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="chown needs root")
 def test_keygen_refuses_a_folder_another_user_owns(tmp_path):
-    """Its owner may replace any file in it, sticky bit or not."""
-    keys = tmp_path / "theirs"
-    keys.mkdir(mode=0o1777)
-    os.chown(keys, 65534, 65534)  # nobody
-    result = _cli("keygen", str(keys), "shard")
-    assert result.returncode == 2, result.stderr
-    assert "belongs to another user (uid 65534)" in result.stderr
-    assert not list(keys.iterdir())
+    """Its owner may replace any file in it, sticky bit or not; so may the
+    owner of a folder above it (moving the key folder aside for one of
+    its own), or of a link on the way (pointing it elsewhere)."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o1777)
+    os.chown(theirs, 65534, 65534)  # nobody
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    os.chown(link, 65534, 65534, follow_symlinks=False)
+    for keys, owned in ((theirs, theirs), (theirs / "keys", theirs),
+                        (link, link)):
+        result = _cli("keygen", str(keys), "shard")
+        assert result.returncode == 2, result.stderr
+        assert f"{owned} belongs to another user (uid 65534)" in \
+            result.stderr
+    assert not list(theirs.iterdir()) and not list(mine.iterdir())
+    assert _cli("keygen", str(mine / "keys"), "shard").returncode == 0
 
 
 def test_launch_aligns_checkpoints_before_restoring_a_whole_job(tmp_path):
