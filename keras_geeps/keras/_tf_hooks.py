@@ -184,10 +184,39 @@ _all_syncs = weakref.WeakSet()  # every open ParameterSync
 
 
 def restoring():
-    """Whether this thread runs `fit`'s callbacks' `on_train_begin` (where
-    `BackupAndRestore` restores its backup): eager writes then are
+    """Whether this thread restores weights: in `Model.load_weights`,
+    `Layer.set_weights` or `fit`'s callbacks' `on_train_begin` (where
+    `BackupAndRestore` restores its backup). Eager writes then are
     restores (`ParameterSync.note_outside_write`)."""
     return getattr(_current, "restoring", False)
+
+
+@contextlib.contextmanager
+def _restoring():
+    previous = restoring()
+    _current.restoring = True
+    try:
+        yield
+    finally:
+        _current.restoring = previous
+
+
+def _install_restore_watch():
+    """Has `Model.load_weights` and `Layer.set_weights` run `_restoring`.
+    Idempotent."""
+    for cls, name in ((keras.Model, "load_weights"),
+                      (keras.layers.Layer, "set_weights")):
+        original = cls.__dict__[name]
+        if getattr(original, "_geeps_restores", False):
+            continue
+
+        @functools.wraps(original)
+        def restores(self, *args, _original=original, **kwargs):
+            with _restoring():
+                return _original(self, *args, **kwargs)
+
+        restores._geeps_restores = True
+        setattr(cls, name, restores)
 
 
 def track_sync(sync):
@@ -256,6 +285,7 @@ def install_write_watch():
     measured one does, and under "sum" any layer's push must send them
     averaged over the workers. Costs a check per eager write and per
     traced one, nothing per run of a traced step. Idempotent."""
+    _install_restore_watch()
     if resource_variable_ops.BaseResourceVariable.__dict__.get(
             "_geeps_writes_watched"):
         return
@@ -440,11 +470,8 @@ def install_fit_hooks():
     def fitting(self, *args, **kwargs):
         self._geeps_fitting = True  # (this list: fit's own)
         self._geeps_statistics_averaged = False
-        _current.restoring = True
-        try:
+        with _restoring():
             result = on_train_begin(self, *args, **kwargs)
-        finally:
-            _current.restoring = False
         # After the callbacks' own (BackupAndRestore sets the epoch too).
         model, strategy = strategy_of(self)
         start = rejoin.line_up(strategy, model, self.params.get("steps"))

@@ -20,13 +20,14 @@ variables. The table is never clocked or updated: a worker that rejoins a
 job under way, worker 0 too, reads the job's starting values there, not
 its own new draw.
 
-But for the variables `fit`'s callbacks wrote as it began, before the
-first step: a `keras.callbacks.BackupAndRestore` resuming `fit` (its
-backup holds the statistics averaged at the last epoch end, alike on every
-worker). Those keep what was written: the starting values would undo a
-resume's statistics on every worker but worker 0. (What a worker writes
-before `fit`, e.g. in a layer's `build` or by `load_weights`, is its
-starting value, worker 0's shared as ever.)
+But for the variables restored before the first step: by
+`Model.load_weights` or `Layer.set_weights` (a job resumed by hand), or by
+`fit`'s callbacks as it begins (`keras.callbacks.BackupAndRestore`
+resuming `fit`: its backup holds the statistics averaged at the last epoch
+end, alike on every worker). Those keep what was restored: the starting
+values would undo a resume's statistics on every worker but worker 0. (Any
+other write, e.g. in a layer's `build` or by `adapt()`, makes a starting
+value, worker 0's shared as ever.)
 
 It costs the shards, and each worker's cache, the variables' bytes once.
 Integer variables (random seed states, counters) are left as they are.
@@ -70,8 +71,8 @@ def share_initial_values(client, variables, row_width, written=()):
         client: the worker's `GeePSClient`.
         variables: tf.Variables (non-trainable, held by no table).
         row_width: a function giving a table's row width from its size.
-        written: ids of those of `variables` that keep their values (a
-            fit's callbacks restored them). Defaults to none.
+        written: ids of those of `variables` that keep their values
+            (restored). Defaults to none.
 
     Returns:
         The number of variables whose values were shared.

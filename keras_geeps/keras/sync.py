@@ -238,8 +238,8 @@ class ParameterSync:
         # (eager TF names every unnamed one 'Variable'): `_unique_path`
         self._tf_names = {}
         self._constants = []       # non-trainable ones (initial_values)
-        # ids of those a fit's callbacks wrote as it began, before the
-        # build (`note_outside_write`): BackupAndRestore's restore, kept
+        # ids of those restored before the build (`note_outside_write`):
+        # load_weights, set_weights, BackupAndRestore; they are kept
         self._constants_written = set()
         self._updated = None
         self.capture_updates = capture_updates
@@ -357,9 +357,9 @@ class ParameterSync:
         (with the step's captured update applied first), so that a
         callback's `set_weights` during `fit` reaches the shards as it
         would without capture (`_tf_hooks`). A non-trainable one not
-        shared yet (`initial_values`) written by a fit's callbacks as it
-        begins (`BackupAndRestore`'s restore) keeps its value at the
-        build. No-op for other variables."""
+        shared yet (`initial_values`) restored (`load_weights`,
+        `set_weights`, a fit's callbacks as it begins: `BackupAndRestore`)
+        keeps its value at the build. No-op for other variables."""
         layer = self._layer_of.get(id(variable))
         if layer is None:
             if self._constants and _tf_hooks.restoring() and any(
@@ -623,8 +623,8 @@ class ParameterSync:
         models in the same order). Worker 0's values initialise the tables;
         the others take them at their first pull. The non-trainable
         floating-point variables tracked so far (of `variables`, when
-        given) get worker 0's starting values here, but for those a
-        fit's callbacks restored as it began (`initial_values`). Variables
+        given) get worker 0's starting values here, but for those
+        restored since their creation (`initial_values`). Variables
         created after a build (a second model in the scope) get their
         tables at the next build, appended to `tables`.
 

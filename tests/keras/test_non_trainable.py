@@ -402,13 +402,16 @@ def _killed_and_resumed(tmp_path, worker):
     return results
 
 
-def test_a_resumed_fit_keeps_the_statistics_its_backup_restored(tmp_path):
+@pytest.mark.parametrize("restore", ["backup", "load_weights"])
+def test_a_resumed_fit_keeps_the_statistics_its_backup_restored(tmp_path,
+                                                                restore):
     """A job killed in epoch 1 and resumed: the shards restored from
-    their checkpoint, each worker's `BackupAndRestore` restores the
-    statistics of epoch 0's end (alike on every worker; here set to 3 by
-    a callback, BatchNorm's momentum 1 keeping them so). The first step's
-    build shares the starting values of the non-trainable weights: it gave
-    worker 1 the job's starting ones (zeros) over its restored ones."""
+    their checkpoint, each worker's `BackupAndRestore` (or its own
+    `load_weights` before `fit`) restores the statistics of epoch 0's end
+    (alike on every worker; here set to 3 by a callback, BatchNorm's
+    momentum 1 keeping them so). The first step's build shares the
+    starting values of the non-trainable weights: it gave worker 1 the
+    job's starting ones (zeros) over its restored ones."""
     from keras_geeps.cluster import ClusterSpec  # noqa: PLC0415
     from keras_geeps.keras.strategy import GeePSStrategy  # noqa: PLC0415
     rng = np.random.default_rng(0)
@@ -416,8 +419,13 @@ def test_a_resumed_fit_keeps_the_statistics_its_backup_restored(tmp_path):
     y = rng.normal(size=(32, 2)).astype(np.float32)
 
     class SetThenDie(keras.callbacks.Callback):
+        def __init__(self, saved):
+            super().__init__()
+            self.saved = saved
+
         def on_epoch_end(self, epoch, logs=None):
             self.model.get_layer("bn").moving_mean.assign(np.full(4, 3.0))
+            self.model.save_weights(self.saved)
 
         def on_train_batch_end(self, batch, logs=None):
             if self.model.optimizer.iterations.numpy() > 4:
@@ -444,11 +452,18 @@ def test_a_resumed_fit_keeps_the_statistics_its_backup_restored(tmp_path):
                     keras.layers.Dense(2, name="head")], name="model")
                 model.compile(optimizer=keras.optimizers.SGD(0.01),
                               loss="mse", jit_compile=False)
+            saved = str(tmp_path / f"w{w}.weights.h5")
             callbacks = strategy.callbacks() + [
-                Probe(seen) if resumed else SetThenDie(),
-                keras.callbacks.BackupAndRestore(str(tmp_path / f"b{w}"))]
+                Probe(seen) if resumed else SetThenDie(saved)]
+            epochs = 2
+            if restore == "backup":
+                callbacks.append(keras.callbacks.BackupAndRestore(
+                    str(tmp_path / f"b{w}")))
+            elif resumed:
+                model.load_weights(saved)
+                epochs = 1
             try:
-                model.fit(x[w::2], y[w::2], batch_size=4, epochs=2,
+                model.fit(x[w::2], y[w::2], batch_size=4, epochs=epochs,
                           verbose=0, callbacks=callbacks)
             except RuntimeError:
                 assert not resumed
