@@ -1059,10 +1059,9 @@ class ShardServer:
 
     def _create(self, identity, message):
         table = self._table_for(message)
-        existing = table.ready and table.initialised is None
         table.subscribers.add(message.worker)
         self._note_reader(message)
-        if existing:
+        if table.ready and table.initialised is None:
             # Restored from a checkpoint (or created before): the shard's
             # rows win over a restarted creator's fresh initial values.
             self._existing.setdefault(message.worker, set()).add(table.id)
@@ -1165,12 +1164,15 @@ class ShardServer:
         (Not refused: a worker declares a table again in a recovery, right
         behind a request of its own it held back.)"""
         identity = self._identities.get(worker)
+        if identity is None:
+            return
         last = self._unsent_pushes.get(worker, {}).get(table.id)
         if last is not None and last[0] == identity and last[1] and \
                 not any(t.done for t in last[1]):
             self.stats["pushes_skipped"] += 1
             return
-        sends = self._push(table, worker, answering=True)
+        sends = self._send_rows(table, [identity], MsgType.PUSH, 0,
+                                table.data, zero_copy=True)
         self._unsent_pushes.setdefault(worker, {})[table.id] = (identity,
                                                                 sends)
 
@@ -1522,14 +1524,10 @@ class ShardServer:
             return
         table.pool.put(data, self._trackers.pop(id(data), []))
 
-    def _push(self, table, worker, answering=False):
-        """Sends `table`'s rows to `worker`; their trackers. `answering`
-        its DECLARE or CREATE: zero-copy, as a READ's (`_send_to`)."""
+    def _push(self, table, worker):
         identity = self._identities.get(worker)
-        if identity is None:
-            return []
-        return self._send_rows(table, [identity], MsgType.PUSH, 0,
-                               table.data, zero_copy=answering)
+        if identity is not None:
+            self._send_rows(table, [identity], MsgType.PUSH, 0, table.data)
 
     def _chunks(self, table):
         return protocol.row_chunks(table.local_rows, table.width,
