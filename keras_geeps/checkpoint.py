@@ -54,8 +54,8 @@ clock and replay them to a shard restored from it (`keras-geeps shard
 --checkpoint-dir DIR --restore`).
 
 A shard writes a checkpoint of no tables when it starts (without
---restore; one of tables found there is renamed `<file>.previous`, or
-`.previous.N` where that exists), so one killed
+--restore; the two files found there, if they hold tables, are renamed
+`<file>.previous`, or `.previous.N` where that exists), so one killed
 before its first snapshot was durable restores empty rather than failing.
 A table the restored checkpoint lacks is created again by the worker that
 created it, which keeps the initial rows until a checkpoint holds them,

@@ -322,3 +322,21 @@ def test_tables_moving_one_write_at_a_time_keep_their_own_older(tmp_path):
     assert left0 == {1}
     np.testing.assert_array_equal(shard0[0][2], rows_of(2, 4))
     np.testing.assert_array_equal(shard0[1][2], rows_of(14, 3))
+
+
+def test_a_forgetful_restart_keeps_the_older_checkpoint_too(tmp_path):
+    """The checkpoint before the latest (what align-checkpoints may take
+    a table back to) is kept beside the latest, with the same suffix."""
+    directory = str(tmp_path)
+    for clock in (3, 5):
+        checkpoint.write(directory, 0, 1, 1, {0: (spec("a", 2, 0, 2), clock,
+                                                  rows_of(clock, 2))})
+    path = checkpoint.checkpoint_path(directory, 0, 1)
+    older = checkpoint.checkpoint_path(directory, 0, 1, older=True)
+    open(path + ".previous", "wb").close()  # taken: both go to .previous.1
+    CheckpointWriter(directory, 0, 1, 1).write_empty()
+    assert not os.path.exists(older)
+    os.replace(path + ".previous.1", path)
+    os.replace(older + ".previous.1", older)
+    assert checkpoint.load(directory, 0, 1, 1)[0][1] == 5
+    assert checkpoint.read_meta(older)["tables"]["0"]["clock"] == 3

@@ -190,10 +190,13 @@ class CheckpointWriter:
         """Writes a checkpoint of no tables, before serving: a shard killed
         before it wrote any table restores empty (its workers then create
         the tables again and replay), while --restore from a folder that
-        never held this shard's checkpoint still fails, naming it. A
-        checkpoint holding tables found there (a restart that forgot
-        --restore) is kept as `<file>.previous`, or `.previous.1`, `.2` ...
-        where that exists: a second forgetful restart never replaces it.
+        never held this shard's checkpoint still fails, naming it. The
+        checkpoints holding tables found there (a restart that forgot
+        --restore), the latest and the one before it (`.older`, what
+        `align-checkpoints` may take a table back to), are kept as
+        `<file>.previous`, or `.previous.1`, `.2` ... where that exists,
+        both with the same suffix: a second forgetful restart never
+        replaces them.
 
         Raises:
             checkpoint.CheckpointError: the folder cannot be written.
@@ -204,15 +207,18 @@ class CheckpointWriter:
                                            self.num_shards, older=True)
         try:
             self.remove_leftovers()
-            if os.path.exists(path) and _holds_tables(path):
-                kept = _free_name(path + ".previous")
-                os.replace(path, kept)
+            found = [name for name in (path, older)
+                     if os.path.exists(name) and _holds_tables(name)]
+            if found:
+                suffix = _free_suffix(found)
+                for name in found:
+                    os.replace(name, name + suffix)
                 log.warning("shard %d: started without --restore; moved the "
-                            "checkpoint there to %s", self.shard_id, kept)
-            if os.path.exists(older):  # the history of another run
-                os.unlink(older)
-            if os.path.exists(path):   # one of no tables: nothing lost
-                os.unlink(path)
+                            "checkpoints there to %s", self.shard_id,
+                            ", ".join(name + suffix for name in found))
+            for name in (path, older):  # ones of no tables: nothing lost
+                if os.path.exists(name):
+                    os.unlink(name)
             checkpoint.write(self.directory, self.shard_id, self.num_shards,
                              self.num_workers, {})
         except OSError as exc:
@@ -245,10 +251,11 @@ def _holds_tables(path):
         return True
 
 
-def _free_name(path):
-    """`path`, or `path.1`, `path.2` ... the first that does not exist."""
-    candidate, n = path, 0
-    while os.path.exists(candidate):
+def _free_suffix(paths):
+    """".previous", or ".previous.1", ".2" ... the first that no path of
+    `paths` with it added names an existing file."""
+    suffix, n = ".previous", 0
+    while any(os.path.exists(path + suffix) for path in paths):
         n += 1
-        candidate = f"{path}.{n}"
-    return candidate
+        suffix = f".previous.{n}"
+    return suffix
