@@ -9,7 +9,7 @@ WORKERS ?= 2
 SHARDS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -30,7 +30,7 @@ test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) keras_geeps/_lib *.egg-info build

@@ -95,7 +95,7 @@ class GeePSStrategy(tf.distribute.OneDeviceStrategy):
             weights are written between steps (a callback's `set_weights`
             or `assign` during `fit`) has its next push measured on the
             variables instead, so the change reaches the shards as without
-            capture (`stats()["outside_write_pushes"]` counts those
+            capture (`ps_stats()["outside_write_pushes"]` counts those
             pushes). Defaults to True.
         average_epoch_logs: before `fit`'s epoch-end callbacks run, replace
             each number in the epoch's logs (loss, metrics, validation

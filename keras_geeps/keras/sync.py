@@ -941,6 +941,8 @@ class ParameterSync:
 
         Args:
             variables: tf.Variables or keras.Variables (a model's weights).
+            current: pull every layer among them, with every worker's
+                last clock whatever the slack. Defaults to False.
         """
         behind = [i for i, layer in enumerate(self.tables) if layer.behind]
         if not behind and not current:

@@ -42,8 +42,9 @@ class ShardSettings:
             dead one) or "continue" (the clocks stop waiting for it; a
             restarted worker rejoins). Defaults to "stop".
         shared_memory: exchange rows with workers on this host through
-            shared memory (see `keras_geeps.shm`). Defaults to True unless
-            `KERAS_GEEPS_SHM=0`.
+            shared memory (see `keras_geeps.shm`). Defaults to True where
+            the host supports it (memfd and /proc) unless
+            `KERAS_GEEPS_SHM` is `0`, `false` or `no`.
         max_held_buffers: most row buffers of one table a worker may hold
             through shared memory; past it the worker gets copies by TCP.
             Defaults to 4.
