@@ -79,6 +79,11 @@ FORMAT = 1
 MAX_CLOCK = 1 << 61
 # How every checkpoint file starts (a zip archive's first local header).
 ZIP_MAGIC = b"PK\x03\x04"
+# Most bytes a checkpoint's meta may hold (a table's entry takes about
+# 200), and room for a member's npy header beside its rows: what a crafted
+# file's members are held to before anything is read.
+MAX_META_BYTES = 64 << 20
+NPY_HEADER_BYTES = 1 << 16
 
 
 class CheckpointError(RuntimeError):
@@ -91,6 +96,31 @@ def checkpoint_path(directory, shard_id, num_shards, older=False):
     kind = ".older" if older else ""
     return os.path.join(directory,
                         f"shard-{shard_id}-of-{num_shards}{kind}.ckpt.npz")
+
+
+def make_folder(directory):
+    """Creates `directory` and the folders above it that are missing, each
+    made durable (its parent fsynced), so that a crash never loses a
+    folder that checkpoints were written into."""
+    missing = []
+    folder = os.path.abspath(directory)
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    os.makedirs(directory, exist_ok=True)
+    for folder in reversed(missing):
+        _fsync_folder(os.path.dirname(folder))
+
+
+def _fsync_folder(directory):
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def temporary_prefix(shard_id, num_shards):
@@ -119,7 +149,7 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
     Returns:
         The checkpoint file's path.
     """
-    os.makedirs(directory, exist_ok=True)
+    make_folder(directory)
     meta = {"format": FORMAT, "shard_id": shard_id, "num_shards": num_shards,
             "num_workers": num_workers, "tables": {
                 str(tid): dict({"spec": spec, "clock": int(clock)}, **(
@@ -157,11 +187,7 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             if sources != {}:
                 os.replace(link, older)
         os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_folder(directory)
     except BaseException:
         for leftover in (tmp, link):
             if os.path.exists(leftover):
@@ -251,6 +277,29 @@ def _archive(path, f):
     return np.load(f, allow_pickle=False)
 
 
+def _member(path, archive, key, max_bytes):
+    """`archive[key]`, once its member is found stored (uncompressed, as
+    every checkpoint writes them) and of at most `max_bytes`: what a read
+    allocates, which a crafted file's compressed member or size would
+    otherwise set."""
+    try:
+        info = archive.zip.getinfo(key + ".npy")
+    except KeyError:
+        raise CheckpointError(f"{path}: it holds no {key}") from None
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CheckpointError(f"{path}: its {key} is compressed; a "
+                              f"checkpoint's members are stored as they are")
+    if info.file_size > max_bytes:
+        raise CheckpointError(f"{path}: its {key} holds {info.file_size} "
+                              f"bytes, more than the {max_bytes} it may")
+    return archive[key]
+
+
+def _meta(path, archive):
+    return json.loads(_member(path, archive, "meta",
+                              MAX_META_BYTES).tobytes().decode())
+
+
 def _existing(directory, shard_id, num_shards, older=False):
     """A shard's checkpoint path; CheckpointError naming it if missing."""
     path = checkpoint_path(directory, shard_id, num_shards, older)
@@ -268,7 +317,7 @@ def read_meta(path):
     """
     try:
         with open(path, "rb") as f, _archive(path, f) as archive:
-            meta = json.loads(archive["meta"].tobytes().decode())
+            meta = _meta(path, archive)
         if not isinstance(meta, dict):
             raise CheckpointError(f"{path}: its meta is a JSON "
                                   f"{type(meta).__name__}, not the object "
@@ -309,7 +358,7 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False,
     path = _existing(directory, shard_id, num_shards, older)
     try:
         with open(path, "rb") as f, _archive(path, f) as archive:
-            meta = json.loads(archive["meta"].tobytes().decode())
+            meta = _meta(path, archive)
             if meta.get("format") != FORMAT:
                 raise CheckpointError(f"{path}: format {meta.get('format')}"
                                       f" is not {FORMAT}")
@@ -341,8 +390,10 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False,
                 raise CheckpointError(f"{path}: {problem}")
             tables = {}
             for tid, (spec, clock) in specs.items():
-                rows = archive[f"table_{tid}"]
                 dtype = protocol.numpy_dtype(spec["dtype"])
+                rows = _member(path, archive, f"table_{tid}", (
+                    spec["row_end"] - spec["row_start"]) * spec["width"] *
+                    dtype.itemsize + NPY_HEADER_BYTES)
                 stored = np.dtype(np.uint16) if spec["dtype"] == "bfloat16" \
                     else dtype  # npz keeps bfloat16 rows as their bits
                 if rows.dtype != stored:

@@ -7,6 +7,11 @@ checks the rest: each damaged file must either fail with a
 reads) load exactly what was written.
 """
 
+import io
+import json
+import os
+import zipfile
+
 import numpy as np
 import pytest
 
@@ -95,3 +100,49 @@ def test_a_file_that_is_no_archive_is_named_as_such(tmp_path, content):
         checkpoint.load_job(tmp_path, 0, 1, 1)
     assert f"{path} is not a checkpoint" in str(caught.value)
     assert "pickle" not in str(caught.value)
+
+
+def _crafted(path, table, compression=zipfile.ZIP_STORED):
+    """A checkpoint of table 3 (SPECS) at `path` whose table member holds
+    `table` (an array), its members written with `compression`."""
+    meta = {"format": checkpoint.FORMAT, "shard_id": 0, "num_shards": 1,
+            "num_workers": 1, "left": [], "dead": [],
+            "tables": {"3": {"spec": SPECS[3], "clock": 4}}}
+    with zipfile.ZipFile(path, "w", compression) as archive:
+        for name, array in (("meta", np.frombuffer(
+                json.dumps(meta).encode(), np.uint8)), ("table_3", table)):
+            member = io.BytesIO()
+            np.save(member, array)
+            archive.writestr(name + ".npy", member.getvalue())
+
+
+@pytest.mark.parametrize("table, compression, problem", [
+    # A member far larger than its spec: refused before it is read.
+    (np.zeros((100_000, 5), np.float32), zipfile.ZIP_STORED,
+     "table_3 holds 2000128 bytes, more than the 65656 it may"),
+    # A deflated one (what a small file would inflate from): refused.
+    (np.zeros((6, 5), np.float32), zipfile.ZIP_DEFLATED,
+     "meta is compressed"),
+])
+def test_a_crafted_member_is_refused_before_it_is_read(tmp_path, table,
+                                                       compression, problem):
+    path = checkpoint.checkpoint_path(str(tmp_path), 0, 1)
+    _crafted(path, table, compression)
+    with pytest.raises(checkpoint.CheckpointError, match=problem):
+        checkpoint.load_job(str(tmp_path), 0, 1, 1)
+    _crafted(path, np.ones((6, 5), np.float32))  # the same, as written
+    assert checkpoint.load(str(tmp_path), 0, 1, 1)[3][1] == 4
+
+
+def test_the_folders_a_write_creates_are_made_durable(tmp_path,
+                                                      monkeypatch):
+    """A crash must not lose the folder entries the checkpoint is under:
+    each folder the write creates has its parent fsynced."""
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (
+        synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    directory = tmp_path / "run" / "checkpoints"
+    checkpoint.write(str(directory), 0, 1, 1, {3: (
+        SPECS[3], 1, np.ones((6, 5), np.float32))})
+    for folder in (tmp_path, tmp_path / "run", directory):
+        assert str(folder) in synced

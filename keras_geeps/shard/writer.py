@@ -88,7 +88,7 @@ class CheckpointWriter:
             self.directory, self.shard_id, self.num_shards)[
                 :-len(".ckpt.npz")] + ".lock"
         try:
-            os.makedirs(self.directory, exist_ok=True)
+            checkpoint.make_folder(self.directory)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise checkpoint.CheckpointError(
