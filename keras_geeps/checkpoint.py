@@ -330,6 +330,22 @@ def read_meta(path):
             from exc
 
 
+def own_clock_tables(directory, shard_id, num_shards):
+    """The ids of the tables whose snapshot in a shard's latest checkpoint
+    is at the shard's own clock (`write`'s `own_clock`), which a restored
+    shard keeps so: its next write must not let it displace the older
+    snapshot at a clock every shard takes.
+
+    Raises:
+        CheckpointError: the checkpoint is missing or unreadable.
+    """
+    path = _existing(directory, shard_id, num_shards)
+    tables = read_meta(path).get("tables")
+    return {int(tid) for tid, entry in tables.items()
+            if isinstance(entry, dict) and entry.get("own_clock") is True} \
+        if isinstance(tables, dict) else set()
+
+
 def load(directory, shard_id, num_shards, num_workers):
     """Reads a shard's table snapshots (`load_job`'s first half)."""
     return load_job(directory, shard_id, num_shards, num_workers)[0]
@@ -466,11 +482,16 @@ def table_clocks(directory, num_shards):
 def _picks_at(tid, target, latest, older):
     """{shard: whether from its older file} of the snapshots of table `tid`
     at clock `target` that together cover its rows, one per shard that
-    holds a part of it; None where some part is at no such clock."""
+    holds a part of it; None where some part is at no such clock. A
+    shard's older file counts only where its latest holds the table too:
+    a part only the older holds is from a run an earlier alignment left
+    out, not this one's."""
     rows = next(tables[tid][0]["rows"] for tables in latest
                 if tid in tables)
     picks, covered = {}, 0
     for shard in range(len(latest)):
+        if tid not in latest[shard]:
+            continue
         for from_older, tables in ((False, latest[shard]),
                                    (True, older[shard])):
             spec, clock = tables.get(tid, (None, None))

@@ -340,3 +340,48 @@ def test_a_forgetful_restart_keeps_the_older_checkpoint_too(tmp_path):
     os.replace(older + ".previous.1", older)
     assert checkpoint.load(directory, 0, 1, 1)[0][1] == 5
     assert checkpoint.read_meta(older)["tables"]["0"]["clock"] == 3
+
+
+def test_an_older_part_from_a_run_left_out_is_never_picked(tmp_path):
+    """Run 1: only shard 0 wrote table 0 (clocks 0, 5), so alignment left
+    it out. Run 2 made it again; only shard 1 wrote it. Shard 0's older
+    file still holds run 1's part at clock 5: it must not be put beside
+    run 2's (one table from two runs)."""
+    directory = str(tmp_path)
+
+    def put(shard, clock, value):
+        checkpoint.write(directory, shard, 2, 1, {0: (
+            spec("u", 4, 2 * shard, 2 * shard + 2), clock,
+            rows_of(value, 2))})
+    for shard in range(2):
+        checkpoint.write(directory, shard, 2, 1, {})
+    put(0, 0, 100)
+    put(0, 5, 105)
+    assert checkpoint.align_job(directory, 2, 1) == {0: None}
+    put(1, 0, 0)
+    put(1, 5, 5)
+    assert checkpoint.align_job(directory, 2, 1) == {0: None}
+
+
+def test_a_restored_shard_keeps_its_own_clock_snapshot_so(tmp_path):
+    """Shard 0 wrote clock 10 (a multiple of K, every shard's) then 12 on
+    request (its own). Restored, then asked for a checkpoint before the
+    table moves, it must keep 12 marked as its own: its next write at 15
+    then keeps 10 as the older, the clock its other shards hold."""
+    directory = str(tmp_path)
+    table = {"name": "u", "rows": 2, "width": 2, "dtype": "float32",
+             "row_start": 0, "row_end": 2}
+    for clock, own in ((10, ()), (12, {0})):
+        checkpoint.write(directory, 0, 1, 1, {0: (table, clock, rows_of(
+            clock, 2))}, own_clock=own)
+    shard = ShardServer("tcp://127.0.0.1:0", 0, 1, 1, ShardSettings(
+        checkpoint_dir=directory, checkpoint_every=5, shared_memory=False),
+        restore=True).start()
+    try:
+        assert cli_main(["checkpoint", "--shards", shard.address]) == 0
+    finally:
+        shard.stop()
+    assert checkpoint.own_clock_tables(directory, 0, 1) == {0}
+    checkpoint.write(directory, 0, 1, 1, {0: (table, 15, rows_of(15, 2))})
+    assert checkpoint.read_meta(checkpoint.checkpoint_path(
+        directory, 0, 1, older=True))["tables"]["0"]["clock"] == 10

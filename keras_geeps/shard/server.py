@@ -1799,6 +1799,8 @@ class ShardServer:
         tables, left, dead = checkpoint.load_job(
             self.settings.checkpoint_dir, self.shard_id, self.num_shards,
             self.num_workers, limits=self._restore_limits)
+        own = checkpoint.own_clock_tables(
+            self.settings.checkpoint_dir, self.shard_id, self.num_shards)
         for table_id, (spec, clock, rows) in tables.items():
             table = self._new_table(table_id, spec)
             table.data = rows
@@ -1808,6 +1810,7 @@ class ShardServer:
             table.vclock[:] = clock
             table.ckpt_clock = clock
             table.snapshot = (clock, rows)
+            table.snapshot_own = table_id in own
             table.restored = rows
             table.restored_clock = clock
             self._tables[table_id] = table
