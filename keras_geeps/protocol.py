@@ -572,7 +572,8 @@ def stats_of(message):
     """The statistics a STATS_REPLY carries (a dict).
 
     Raises:
-        ProtocolError: when the frame is not a JSON object.
+        ProtocolError: when the frame is not a JSON object, or its tables
+            lack the fields workers read (name, ready, clocks).
     """
     try:
         stats = json.loads(message.arrays[0].tobytes())
@@ -581,7 +582,22 @@ def stats_of(message):
                             ) from None
     if not isinstance(stats, dict):
         raise ProtocolError("STATS_REPLY: its frame is not a JSON object")
+    tables = stats.get("tables", {})
+    if not isinstance(tables, dict) or not all(
+            isinstance(table, dict) and isinstance(table.get("name"), str)
+            and isinstance(table.get("ready"), bool)
+            and isinstance(table.get("vclock"), list)
+            and all(map(_is_int, [table.get("global_clock"),
+                                  table.get("ckpt_clock"),
+                                  *table["vclock"]]))
+            for table in tables.values()):
+        raise ProtocolError("STATS_REPLY: its tables are not {id: {name, "
+                            "ready, global_clock, vclock, ckpt_clock}}")
     return stats
+
+
+def _is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def row_chunks(num_rows, width, itemsize, chunk_bytes=DEFAULT_CHUNK_BYTES):

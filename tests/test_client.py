@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from keras_geeps import protocol, seal
 from keras_geeps.client import GeePSClient
@@ -743,7 +744,9 @@ def test_shards_checkpointing_at_different_intervals_are_refused(tmp_path):
 def test_a_shard_that_welcomed_hears_heartbeats_while_another_is_late():
     """A worker waits for every shard's WELCOME (one may still be loading a
     large checkpoint); a shard that already welcomed it gets heartbeats
-    meanwhile and does not count it dead."""
+    meanwhile, well within its worker_timeout as soon as that WELCOME
+    comes (whatever the worker's heartbeat_interval), and does not count
+    it dead."""
     early = ShardServer("tcp://127.0.0.1:0", 0, 2, 1, ShardSettings(
         worker_timeout=1.0, shared_memory=False)).start()
     with socket.socket() as probe:  # a free port for the late shard
@@ -756,7 +759,7 @@ def test_a_shard_that_welcomed_hears_heartbeats_while_another_is_late():
     try:
         with GeePSClient(ClusterSpec([early.address, late_address], 1, 0),
                          timeout=20, shared_memory=False,
-                         heartbeat_interval=0.2) as client:
+                         heartbeat_interval=2.0) as client:
             table = client.create_table("t", 8, 4)
             client.update(table, np.ones((8, 4), np.float32))
             client.clock()
@@ -767,6 +770,31 @@ def test_a_shard_that_welcomed_hears_heartbeats_while_another_is_late():
         early.stop()
         for server in late:
             server.stop()
+
+
+def test_a_worker_that_fails_to_connect_leaves_the_shards_it_reached():
+    """Shard 1 never answers the HELLO: the client fails naming it, and
+    shard 0, which welcomed the worker and declares silent workers dead,
+    hears it leave instead of stopping the job for its silence."""
+    shard = ShardServer("tcp://127.0.0.1:0", 0, 2, 1, ShardSettings(
+        worker_timeout=1.0, shared_memory=False)).start()
+    context = zmq.Context()
+    mute = context.socket(zmq.ROUTER)  # up, never answering
+    mute.setsockopt(zmq.LINGER, 0)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(GeePSTimeoutError, match="shard 1 .* did not "
+                           "answer HELLO within 1.0 s"):
+            GeePSClient(ClusterSpec([shard.address,
+                                     f"tcp://127.0.0.1:{port}"], 1, 0),
+                        timeout=1.0, shared_memory=False)
+        time.sleep(2.0)  # past its worker_timeout
+        stats = shard.snapshot_stats()
+        assert (stats["left_workers"], stats["failed"]) == ([0], None)
+    finally:
+        mute.close()
+        context.term()
+        shard.stop()
 
 
 def test_close_sends_the_last_clock_before_its_sockets_go(thread_cluster):

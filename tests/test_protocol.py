@@ -145,6 +145,24 @@ def test_a_deeply_nested_header_is_refused_as_a_protocol_error():
             np.frombuffer(b"[" * 100000, np.uint8)]))
 
 
+GOOD_TABLE = {"name": "t", "ready": True, "global_clock": 3,
+              "vclock": [3, 4], "ckpt_clock": -1}
+
+
+@pytest.mark.parametrize("tables", [
+    [], {"0": []}, {"0": dict(GOOD_TABLE, name=None)},
+    {"0": dict(GOOD_TABLE, ready=1)}, {"0": dict(GOOD_TABLE, vclock=3)},
+    {"0": dict(GOOD_TABLE, vclock=[3, "4"])},
+    {"0": dict(GOOD_TABLE, ckpt_clock=True)},
+    {"0": {k: v for k, v in GOOD_TABLE.items() if k != "global_clock"}},
+])
+def test_stats_without_the_table_fields_workers_read_are_refused(tables):
+    with pytest.raises(ProtocolError, match="its tables are not"):
+        protocol.stats_of(protocol.stats_reply(1, {"tables": tables}))
+    assert protocol.stats_of(protocol.stats_reply(1, {"tables": {
+        "0": GOOD_TABLE}}))["tables"]["0"] == GOOD_TABLE
+
+
 def test_header_not_a_map_and_missing_fields():
     with pytest.raises(ProtocolError, match="must be a map"):
         protocol.decode([msgpack.packb([1, 2, 3])])

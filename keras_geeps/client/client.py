@@ -37,7 +37,7 @@ from keras_geeps.client.table import PartRows, SealedRows, Table, no_push
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
 from keras_geeps.errors import (GeePSError, GeePSTimeoutError,
                                 GeePSWorkerFailedError)
-from keras_geeps.protocol import Message, MsgType
+from keras_geeps.protocol import Message, MsgType, ProtocolError
 
 log = logging.getLogger("keras_geeps.client")
 
@@ -256,6 +256,7 @@ class GeePSClient:
                             name=f"geeps-io-w{self.worker_id}",
                             on_turn=self._on_io_turn,
                             on_close=self._flush_releases,
+                            on_welcome=self._watched_by,
                             heartbeat_interval=heartbeat_interval)
         self._incarnation = int.from_bytes(os.urandom(6), "little")
         welcomes = self._request_all([
@@ -264,11 +265,6 @@ class GeePSClient:
         for shard, welcome in enumerate(welcomes):
             wrong = self._wrong_shard(shard, welcome)
             if wrong:
-                # Every shard that welcomed it hears it leave (close()):
-                # one that watches for silence would count it dead.
-                self._watching.update(
-                    s for s, w in enumerate(welcomes)
-                    if w.meta.get("worker_timeout", 0.0) > 0)
                 raise GeePSError(wrong)
             self._on_welcome(shard, welcome)
         rejoined_at = max(w.meta.get("rejoined_at", 0) for w in welcomes)
@@ -358,10 +354,7 @@ class GeePSClient:
         """Notes which process `shard` is, and uses shared memory with it if
         both sides can map the other's."""
         self._shard_incarnations[shard] = welcome.meta.get("incarnation")
-        watch = welcome.meta.get("worker_timeout", 0.0)
-        if watch > 0:
-            self._watching.add(shard)
-            self._heartbeat_within(watch)
+        self._watched_by(shard, welcome)
         self._shm_peers.pop(shard, None)
         self._shm_upload.discard(shard)
         meta = welcome.meta
@@ -554,6 +547,11 @@ class GeePSClient:
                 raise GeePSError(self._lost[future.shard])
             if time.monotonic() >= deadline:
                 shard = future.shard
+                if shard in self._io.held:  # (it answered the HELLO)
+                    raise GeePSTimeoutError(
+                        f"worker {self.worker_id}: {what} waited "
+                        f"{limit:.1f} s behind the recovery of "
+                        f"{self._recovery_pending(shard)}")
                 hint = (" (if it requires CURVE keys: are this worker's keys"
                         " allowed? if it requires none, this worker must "
                         "use none either)" if self._curve is not None else
@@ -925,6 +923,18 @@ class GeePSClient:
                 del table.own[clk]
         with self._cond:
             self._cond.notify_all()
+
+    def _watched_by(self, shard, welcome):
+        """Notes that `shard`, whose WELCOME this is, declares silent
+        workers dead (if it does), and heartbeats well within its limit.
+        Called by the I/O thread as each WELCOME comes, not once every
+        shard answered: meanwhile (a shard still loading its checkpoint, or
+        not answering at all) this worker must not fall silent there, and
+        a client that fails to connect must say LEAVE there (close())."""
+        watch = welcome.meta.get("worker_timeout", 0.0)
+        if watch > 0:
+            self._watching.add(shard)
+            self._heartbeat_within(watch)
 
     def _heartbeat_within(self, worker_timeout):
         """Heartbeats at least HEARTBEATS_PER_TIMEOUT times per a shard's
@@ -1427,7 +1437,8 @@ class GeePSClient:
                 [(s, Message(MsgType.STATS)) for s in shards], "STATS",
                 max(0.05, deadline - time.monotonic()))
             for shard, reply in zip(shards, replies):
-                entry = protocol.stats_of(reply)["tables"].get(str(table.id))
+                entry = protocol.stats_of(reply).get("tables", {}).get(
+                    str(table.id))
                 for part, (s, _, _) in enumerate(table.parts):
                     if s == shard and entry is not None:
                         self._note_checkpoint(table, part,
@@ -1550,18 +1561,20 @@ class GeePSClient:
                 "data_age": min((t.data_age for t in tables), default=0),
                 "clock": max((t.clock for t in tables), default=0)}
 
+    def _recovery_pending(self, shard):
+        """Why what goes to `shard` waits: its recovery is under way."""
+        return (f"shard {shard} ({self.cluster.shards[shard]}), which "
+                f"restarted, and this worker's recovery of it is not done: "
+                f"it waits for the shard's WELCOME, or to replay clocks the "
+                f"shard takes once the other workers have replayed theirs "
+                f"(has every worker a client open, sending heartbeats?)")
+
     def _timeout_error(self, table, parts, required):
         lines, asked = [], {}
         for shard in sorted({table.parts[p][0] for p in parts
                              if table.ages[p] < required}):
             if shard in self._io.held:  # (a STATS would wait behind it)
-                lines.append(
-                    f"shard {shard} ({self.cluster.shards[shard]}) "
-                    f"restarted and this worker's recovery of it is not "
-                    f"done: it waits for the shard's WELCOME, or to replay "
-                    f"clocks the shard takes once the other workers have "
-                    f"replayed theirs (has every worker a client open, "
-                    f"sending heartbeats?)")
+                lines.append(self._recovery_pending(shard))
                 continue
             asked[shard] = Future()
             self._send(shard, Message(MsgType.STATS), asked[shard])
@@ -1579,8 +1592,13 @@ class GeePSClient:
                 lines.append(f"shard {shard} ({address}) does not answer: it "
                              f"is dead or unreachable")
                 continue
-            info = protocol.stats_of(future.message)
-            shard_table = info["tables"].get(str(table.id))
+            try:
+                info = protocol.stats_of(future.message)
+            except ProtocolError as exc:
+                lines.append(f"shard {shard} ({address}) sent a malformed "
+                             f"STATS reply: {exc}")
+                continue
+            shard_table = info.get("tables", {}).get(str(table.id))
             if shard_table is None or not shard_table["ready"]:
                 lines.append(f"shard {shard} ({address}) has no initial "
                              f"values for table {table.name!r} yet (worker "
@@ -1659,7 +1677,7 @@ class GeePSClient:
         futures, probes, failures = [], {}, []
         try:
             shards = range(self.cluster.num_shards) if self._keep_log \
-                else sorted(self._watching)
+                else sorted(list(self._watching))  # (I/O thread adds)
             for shard in shards:
                 if shard not in self._lost:
                     futures.append(Future())

@@ -11,6 +11,7 @@ outgoing traffic while that shard is being recovered.
 import collections
 import functools
 import logging
+import reprlib
 import threading
 import time
 
@@ -98,6 +99,32 @@ class _SealedLink:
             return None
 
 
+def _sealed_link_fields(sealed):
+    """WELCOME's `sealed` field ([data port, session, c2s key, s2c key,
+    connect token]; protocol), checked.
+
+    Raises:
+        ProtocolError: naming what is wrong with it.
+    """
+    sizes = (seal.SESSION_BYTES, seal.KEY_BYTES, seal.KEY_BYTES)
+    try:
+        port, *hexes, token = sealed
+        ok = isinstance(port, int) and not isinstance(port, bool) and \
+            0 < port < 1 << 16 and isinstance(token, str) and \
+            0 < len(token) <= 256 and token.isalnum() and all(
+                isinstance(h, str) and len(bytes.fromhex(h)) == size
+                for h, size in zip(hexes, sizes, strict=True)) and \
+            bytes.fromhex(hexes[0])[0] != 0
+    except (TypeError, ValueError):  # not a list of five, or not hex
+        ok = False
+    if not ok:
+        raise ProtocolError(
+            f"WELCOME: its sealed field {reprlib.repr(sealed):.120} is not "
+            f"[data port, session ({seal.SESSION_BYTES} bytes, hex), two "
+            f"keys ({seal.KEY_BYTES} bytes, hex), connect token]")
+    return sealed
+
+
 class IOThread:
     """Owns one DEALER socket per shard and moves messages both ways.
 
@@ -121,6 +148,8 @@ class IOThread:
             loop, before the queued messages are written.
         on_close: called as on_close() in this thread once at a close,
             before what is queued is sent: what it queues goes too.
+        on_welcome: called as on_welcome(shard, message) in this thread
+            for every WELCOME, before its request's future is set.
         worker_id: this worker's id (heartbeats carry it).
         heartbeat_interval: seconds between heartbeats; 0 sends none
             (set `heartbeat_interval` later to start them). Each shard gets
@@ -132,8 +161,10 @@ class IOThread:
 
     def __init__(self, addresses, on_rows, on_error=None, worker_id=-1,
                  heartbeat_interval=0.0, curve=None, name="geeps-io",
-                 on_turn=None, on_broken=None, on_close=None):
+                 on_turn=None, on_broken=None, on_close=None,
+                 on_welcome=None):
         self._addresses = list(addresses)
+        self._on_welcome = on_welcome
         self._keyed = curve is not None
         self._on_broken = on_broken
         self._broken = {}  # shard -> why its link broke, told next turn
@@ -383,10 +414,12 @@ class IOThread:
                         self._heartbeat(shard)
                     self._watch_links()
                 self._tell_broken()
-        except Exception:  # kept: every later call raises it
+        except Exception as exc:  # kept: every later call raises it
             log.exception("keras_geeps I/O thread failed")
-            self.failed = GeePSServerError("the I/O thread failed; see the "
-                                           "log")
+            self.failed = GeePSServerError(
+                f"the I/O thread failed ({type(exc).__name__}: {exc}); see "
+                f"the log")
+            self.failed.__cause__ = exc
         finally:
             # A close (not a failure) sends what is queued first: without
             # it the last clock's updates and CLOCKs, still in ZeroMQ's
@@ -491,7 +524,8 @@ class IOThread:
                 self._write(shard, frames, message, future)
 
     def _open_link(self, shard, sealed):
-        """Starts (or replaces) the sealed data link a WELCOME gave."""
+        """Starts (or replaces) the sealed data link a WELCOME gave (its
+        fields checked: `_sealed_link_fields`)."""
         port, session, c2s, s2c, token = sealed
         plain_username = session
         session = bytes.fromhex(session)
@@ -607,6 +641,10 @@ class IOThread:
                 link.heard = time.monotonic()
             try:
                 message, sealed = self._open(shard, frames, link)
+                if message is not None and message.type == MsgType.WELCOME \
+                        and "sealed" in message.meta:
+                    message.meta["sealed"] = _sealed_link_fields(
+                        message.meta["sealed"])
             except ProtocolError as exc:
                 log.error("shard %d sent a malformed message: %s", shard, exc)
                 self.errors.append(GeePSServerError(
@@ -621,6 +659,8 @@ class IOThread:
             self._welcomed.add(shard)
             if "sealed" in message.meta:
                 self._open_link(shard, message.meta["sealed"])
+            if self._on_welcome is not None:
+                self._on_welcome(shard, message)
         if kind in (MsgType.PUSH, MsgType.ROWS):
             self._on_rows(shard, message, sealed)
             return

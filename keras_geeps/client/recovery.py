@@ -317,6 +317,10 @@ class ShardRecovery:
         def declared(message, error):
             if self._attempts.get(shard) is not attempt:
                 return
+            if error is None and "global_clock" not in message.meta:
+                error = GeePSError(f"it answered the DECLARE of table "
+                                   f"{table.name!r} without the table's "
+                                   f"clock (global_clock)")
             if error is not None:
                 self._failed(shard, error)
                 return
