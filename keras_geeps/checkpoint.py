@@ -65,6 +65,7 @@ and every worker replays it from clock 0.
 import contextlib
 import io
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -92,9 +93,11 @@ class CheckpointError(RuntimeError):
 
 
 def checkpoint_path(directory, shard_id, num_shards, older=False):
-    """The checkpoint file of one shard (with `older`: the one before)."""
+    """The checkpoint file of one shard (with `older`: the one before).
+    (`directory` made absolute as text, as `write`'s temporary files are:
+    a `..` after a link removes the link's name.)"""
     kind = ".older" if older else ""
-    return os.path.join(directory,
+    return os.path.join(os.path.abspath(directory),
                         f"shard-{shard_id}-of-{num_shards}{kind}.ckpt.npz")
 
 
@@ -103,7 +106,9 @@ def make_folder(directory):
     made durable (its parent fsynced), so that a crash never loses a
     folder that checkpoints were written into."""
     missing = []
-    folder = os.path.abspath(directory)
+    # (`..` taken as text, as tempfile and the writes take it: even after
+    # a link, it removes the name before it)
+    directory = folder = os.path.abspath(directory)
     while not os.path.isdir(folder):
         missing.append(folder)
         parent = os.path.dirname(folder)
@@ -112,7 +117,10 @@ def make_folder(directory):
         folder = parent
     os.makedirs(directory, exist_ok=True)
     for folder in reversed(missing):
-        _fsync_folder(os.path.dirname(folder))
+        try:
+            _fsync_folder(os.path.dirname(folder))
+        except PermissionError:  # a parent we may write, not read
+            pass
 
 
 def _fsync_folder(directory):
@@ -149,6 +157,7 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
     Returns:
         The checkpoint file's path.
     """
+    directory = os.path.abspath(directory)
     make_folder(directory)
     meta = {"format": FORMAT, "shard_id": shard_id, "num_shards": num_shards,
             "num_workers": num_workers, "tables": {
@@ -177,7 +186,7 @@ def write(directory, shard_id, num_shards, num_workers, snapshots,
             try:
                 if sources:
                     _write_composite(link, path, sources)
-            except (CheckpointError, KeyError, ValueError,
+            except (CheckpointError, KeyError, TypeError, ValueError,
                     zipfile.BadZipFile):  # a damaged older: keep the latest
                 sources = None
                 if os.path.exists(link):
@@ -259,6 +268,8 @@ def _write_composite(target, latest_path, sources):
             out.writestr("meta.npy", header.getvalue())
             for tid, source in sources.items():
                 name = f"table_{tid}.npy"
+                _stored(source, archives[source], f"table_{tid}", _rows_bytes(
+                    metas[source]["tables"][tid]["spec"]))
                 with archives[source].open(name) as rows, \
                         out.open(name, "w", force_zip64=True) as copy:
                     shutil.copyfileobj(rows, copy, 1 << 20)
@@ -277,13 +288,13 @@ def _archive(path, f):
     return np.load(f, allow_pickle=False)
 
 
-def _member(path, archive, key, max_bytes):
-    """`archive[key]`, once its member is found stored (uncompressed, as
-    every checkpoint writes them) and of at most `max_bytes`: what a read
-    allocates, which a crafted file's compressed member or size would
-    otherwise set."""
+def _stored(path, archive, key, max_bytes):
+    """The zip entry of `key` in `archive` (a zipfile.ZipFile), once found
+    stored (uncompressed, as every checkpoint writes its members) and of at
+    most `max_bytes`: a crafted file's compressed or oversized member
+    must not set what a read allocates."""
     try:
-        info = archive.zip.getinfo(key + ".npy")
+        info = archive.getinfo(key + ".npy")
     except KeyError:
         raise CheckpointError(f"{path}: it holds no {key}") from None
     if info.compress_type != zipfile.ZIP_STORED:
@@ -292,12 +303,50 @@ def _member(path, archive, key, max_bytes):
     if info.file_size > max_bytes:
         raise CheckpointError(f"{path}: its {key} holds {info.file_size} "
                               f"bytes, more than the {max_bytes} it may")
-    return archive[key]
+    return info
+
+
+def _member(path, archive, key, dtype, shape=None,
+            max_bytes=MAX_META_BYTES):
+    """The array `archive` (an npz) holds as `key`, read only once its
+    entry passes `_stored` and its npy header says `dtype` and `shape`
+    (None: any 1-D shape): what the header says is what a read allocates.
+    The whole member is read, so that the zip's CRC-32 is checked."""
+    info = _stored(path, archive.zip, key, max_bytes)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0,
+               (2, 0): np.lib.format.read_array_header_2_0}
+    with archive.zip.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in readers:
+            raise CheckpointError(f"{path}: its {key} is npy version "
+                                  f"{version}, not 1.0 or 2.0")
+        got, fortran, got_dtype = readers[version](f)
+        if got_dtype != dtype or fortran or (
+                len(got) != 1 if shape is None else got != shape):
+            raise CheckpointError(
+                f"{path}: its {key} holds {got_dtype} {got}"
+                f"{' (Fortran order)' if fortran else ''}, not {dtype} "
+                f"{'(n,)' if shape is None else shape}")
+        nbytes = math.prod(got) * dtype.itemsize
+        if nbytes > max_bytes:
+            raise CheckpointError(f"{path}: its {key} holds {nbytes} bytes, "
+                                  f"more than the {max_bytes} it may")
+        rows = bytearray(nbytes)
+        if f.readinto(rows) != nbytes or f.read(1):
+            raise CheckpointError(f"{path}: its {key} does not hold the "
+                                  f"{nbytes} bytes its header says")
+    return np.frombuffer(rows, dtype).reshape(got)
 
 
 def _meta(path, archive):
     return json.loads(_member(path, archive, "meta",
-                              MAX_META_BYTES).tobytes().decode())
+                              np.dtype(np.uint8)).tobytes().decode())
+
+
+def _rows_bytes(spec):
+    """The bytes of a checkpoint's table member of `spec`, at most."""
+    return (spec["row_end"] - spec["row_start"]) * spec["width"] * \
+        protocol.numpy_dtype(spec["dtype"]).itemsize + NPY_HEADER_BYTES
 
 
 def _existing(directory, shard_id, num_shards, older=False):
@@ -407,23 +456,12 @@ def load_job(directory, shard_id, num_shards, num_workers, older=False,
             tables = {}
             for tid, (spec, clock) in specs.items():
                 dtype = protocol.numpy_dtype(spec["dtype"])
-                rows = _member(path, archive, f"table_{tid}", (
-                    spec["row_end"] - spec["row_start"]) * spec["width"] *
-                    dtype.itemsize + NPY_HEADER_BYTES)
                 stored = np.dtype(np.uint16) if spec["dtype"] == "bfloat16" \
                     else dtype  # npz keeps bfloat16 rows as their bits
-                if rows.dtype != stored:
-                    raise CheckpointError(f"{path}: table {tid} holds "
-                                          f"{rows.dtype.name} rows, spec "
-                                          f"says {spec['dtype']}")
-                rows = rows.view(dtype)
-                expected = (spec["row_end"] - spec["row_start"],
-                            spec["width"])
-                if rows.shape != expected:
-                    raise CheckpointError(f"{path}: table {tid} has shape "
-                                          f"{rows.shape}, spec says "
-                                          f"{expected}")
-                tables[tid] = (spec, clock, rows.copy())
+                rows = _member(path, archive, f"table_{tid}", stored, (
+                    spec["row_end"] - spec["row_start"], spec["width"]),
+                    _rows_bytes(spec))
+                tables[tid] = (spec, clock, rows.view(dtype))
             gone = {}
             for key in ("left", "dead"):
                 workers = meta.get(key, [])

@@ -102,18 +102,31 @@ def test_a_file_that_is_no_archive_is_named_as_such(tmp_path, content):
     assert "pickle" not in str(caught.value)
 
 
-def _crafted(path, table, compression=zipfile.ZIP_STORED):
+def _crafted(path, table, compression=zipfile.ZIP_STORED,
+             meta_compression=zipfile.ZIP_STORED):
     """A checkpoint of table 3 (SPECS) at `path` whose table member holds
-    `table` (an array), its members written with `compression`."""
+    `table` (an array, or the bytes of an npy file), written with
+    `compression` (the meta with `meta_compression`)."""
     meta = {"format": checkpoint.FORMAT, "shard_id": 0, "num_shards": 1,
             "num_workers": 1, "left": [], "dead": [],
             "tables": {"3": {"spec": SPECS[3], "clock": 4}}}
-    with zipfile.ZipFile(path, "w", compression) as archive:
-        for name, array in (("meta", np.frombuffer(
-                json.dumps(meta).encode(), np.uint8)), ("table_3", table)):
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, array, how in (
+                ("meta", np.frombuffer(json.dumps(meta).encode(), np.uint8),
+                 meta_compression), ("table_3", table, compression)):
             member = io.BytesIO()
-            np.save(member, array)
-            archive.writestr(name + ".npy", member.getvalue())
+            if isinstance(array, bytes):
+                member.write(array)
+            else:
+                np.save(member, array)
+            archive.writestr(name + ".npy", member.getvalue(), how)
+
+
+def _npy_header(shape, descr="<f4"):
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {
+        "descr": descr, "fortran_order": False, "shape": shape})
+    return header.getvalue()
 
 
 @pytest.mark.parametrize("table, compression, problem", [
@@ -122,13 +135,30 @@ def _crafted(path, table, compression=zipfile.ZIP_STORED):
      "table_3 holds 2000128 bytes, more than the 65656 it may"),
     # A deflated one (what a small file would inflate from): refused.
     (np.zeros((6, 5), np.float32), zipfile.ZIP_DEFLATED,
-     "meta is compressed"),
+     "table_3 is compressed"),
+    # A header whose shape would allocate 4 GB, over a few bytes.
+    (_npy_header((1 << 28, 4)) + bytes(120), zipfile.ZIP_STORED,
+     r"table_3 holds float32 \(268435456, 4\), not float32 \(6, 5\)"),
+    (np.zeros((6, 5), np.float64), zipfile.ZIP_STORED,
+     r"table_3 holds float64 \(6, 5\), not float32"),
+    (np.zeros((6, 5), np.float32, order="F"), zipfile.ZIP_STORED,
+     r"\(Fortran order\)"),
+    # Rows cut short, or more than the header says.
+    (_npy_header((6, 5)) + bytes(119), zipfile.ZIP_STORED,
+     "does not hold the 120 bytes its header says"),
+    (_npy_header((6, 5)) + bytes(121), zipfile.ZIP_STORED,
+     "does not hold the 120 bytes its header says"),
 ])
 def test_a_crafted_member_is_refused_before_it_is_read(tmp_path, table,
                                                        compression, problem):
     path = checkpoint.checkpoint_path(str(tmp_path), 0, 1)
     _crafted(path, table, compression)
     with pytest.raises(checkpoint.CheckpointError, match=problem):
+        checkpoint.load_job(str(tmp_path), 0, 1, 1)
+    _crafted(path, np.zeros((6, 5), np.float32), zipfile.ZIP_STORED,
+             meta_compression=zipfile.ZIP_DEFLATED)
+    with pytest.raises(checkpoint.CheckpointError, match="meta is "
+                       "compressed"):
         checkpoint.load_job(str(tmp_path), 0, 1, 1)
     _crafted(path, np.ones((6, 5), np.float32))  # the same, as written
     assert checkpoint.load(str(tmp_path), 0, 1, 1)[3][1] == 4
@@ -146,3 +176,8 @@ def test_the_folders_a_write_creates_are_made_durable(tmp_path,
         SPECS[3], 1, np.ones((6, 5), np.float32))})
     for folder in (tmp_path, tmp_path / "run", directory):
         assert str(folder) in synced
+    # `..` after a link removes the link's name, as tempfile takes it.
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    checkpoint.write(str(tmp_path / "link" / ".." / "new"), 0, 1, 1, {})
+    assert checkpoint.load(str(tmp_path / "new"), 0, 1, 1) == {}

@@ -59,7 +59,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, directory, shard_id, num_shards, num_workers):
-        self.directory = directory
+        self.directory = os.path.abspath(directory)  # (checkpoint_path)
         self.shard_id = shard_id
         self.num_shards = num_shards
         self.num_workers = num_workers
@@ -210,7 +210,7 @@ class CheckpointWriter:
             found = [name for name in (path, older)
                      if os.path.exists(name) and _holds_tables(name)]
             if found:
-                suffix = _free_suffix(found)
+                suffix = _free_suffix((path, older))  # (a pair's)
                 for name in found:
                     os.replace(name, name + suffix)
                 log.warning("shard %d: started without --restore; moved the "
