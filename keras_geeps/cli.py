@@ -323,10 +323,12 @@ def main(argv=None):
     """Entry point of the `keras-geeps` console command."""
     args = build_parser().parse_args(argv)
     from keras_geeps.errors import GeePSError  # noqa: PLC0415
+    from keras_geeps.protocol import ProtocolError  # noqa: PLC0415
     try:
         return args.func(args)
-    except (GeePSError, OSError) as exc:  # a shard that does not answer,
-        # or refuses; a key file that cannot be read: said in one line
+    except (GeePSError, ProtocolError, OSError) as exc:  # a shard that
+        # does not answer, refuses, or answers malformed; a key file that
+        # cannot be read: said in one line
         print(f"keras-geeps {args.cmd}: {exc}", file=sys.stderr)
         return 1
 

@@ -35,8 +35,8 @@ from keras_geeps.client.connection import CLOSED, Future, IOThread
 from keras_geeps.client.recovery import ShardRecovery
 from keras_geeps.client.table import PartRows, SealedRows, Table, no_push
 from keras_geeps.cluster import ClusterSpec, RowPartitioner
-from keras_geeps.errors import (GeePSError, GeePSTimeoutError,
-                                GeePSWorkerFailedError)
+from keras_geeps.errors import (GeePSError, GeePSServerError,
+                                GeePSTimeoutError, GeePSWorkerFailedError)
 from keras_geeps.protocol import Message, MsgType, ProtocolError
 
 log = logging.getLogger("keras_geeps.client")
@@ -547,11 +547,10 @@ class GeePSClient:
                 raise GeePSError(self._lost[future.shard])
             if time.monotonic() >= deadline:
                 shard = future.shard
-                if shard in self._io.held:  # (it answered the HELLO)
+                if shard in self._io.held:  # (sent once it is done)
                     raise GeePSTimeoutError(
                         f"worker {self.worker_id}: {what} waited "
-                        f"{limit:.1f} s behind the recovery of "
-                        f"{self._recovery_pending(shard)}")
+                        f"{limit:.1f} s: {self._recovery_pending(shard)}")
                 hint = (" (if it requires CURVE keys: are this worker's keys"
                         " allowed? if it requires none, this worker must "
                         "use none either)" if self._curve is not None else
@@ -1437,8 +1436,8 @@ class GeePSClient:
                 [(s, Message(MsgType.STATS)) for s in shards], "STATS",
                 max(0.05, deadline - time.monotonic()))
             for shard, reply in zip(shards, replies):
-                entry = protocol.stats_of(reply).get("tables", {}).get(
-                    str(table.id))
+                entry = self._stats_of(shard, reply).get(
+                    "tables", {}).get(str(table.id))
                 for part, (s, _, _) in enumerate(table.parts):
                     if s == shard and entry is not None:
                         self._note_checkpoint(table, part,
@@ -1539,7 +1538,17 @@ class GeePSClient:
         replies = self._request_all(
             [(s, Message(MsgType.STATS))
              for s in range(self.cluster.num_shards)], "STATS", timeout)
-        return [protocol.stats_of(r) for r in replies]
+        return [self._stats_of(s, r) for s, r in enumerate(replies)]
+
+    def _stats_of(self, shard, reply):
+        """`protocol.stats_of(reply)`; a malformed one a `GeePSServerError`
+        naming `shard`."""
+        try:
+            return protocol.stats_of(reply)
+        except ProtocolError as exc:
+            raise GeePSServerError(
+                f"shard {shard} ({self.cluster.shards[shard]}) sent a "
+                f"malformed STATS reply: {exc}") from None
 
     def stats(self, tables=None):
         """Returns this worker's figures: bytes moved, waits, data ages,
@@ -1563,11 +1572,12 @@ class GeePSClient:
 
     def _recovery_pending(self, shard):
         """Why what goes to `shard` waits: its recovery is under way."""
-        return (f"shard {shard} ({self.cluster.shards[shard]}), which "
-                f"restarted, and this worker's recovery of it is not done: "
-                f"it waits for the shard's WELCOME, or to replay clocks the "
-                f"shard takes once the other workers have replayed theirs "
-                f"(has every worker a client open, sending heartbeats?)")
+        return (f"this worker's recovery of shard {shard} "
+                f"({self.cluster.shards[shard]}), restarted or reconnected, "
+                f"is not done: it waits for the shard's WELCOME, or to "
+                f"replay clocks the shard takes once the other workers have "
+                f"replayed theirs (has every worker a client open, sending "
+                f"heartbeats?)")
 
     def _timeout_error(self, table, parts, required):
         lines, asked = [], {}
@@ -1593,10 +1603,9 @@ class GeePSClient:
                              f"is dead or unreachable")
                 continue
             try:
-                info = protocol.stats_of(future.message)
-            except ProtocolError as exc:
-                lines.append(f"shard {shard} ({address}) sent a malformed "
-                             f"STATS reply: {exc}")
+                info = self._stats_of(shard, future.message)
+            except GeePSServerError as exc:
+                lines.append(str(exc))
                 continue
             shard_table = info.get("tables", {}).get(str(table.id))
             if shard_table is None or not shard_table["ready"]:
