@@ -388,8 +388,12 @@ def pack_delta_into(variables, layout, snapshot, out, scale=1.0):
         snapshot: 1-D tensor of `layout.total_size` elements (the values the
             update is measured from).
         out: 1-D tensor of `layout.total_size` elements that aliases the
-            destination memory (e.g. `tf.experimental.dlpack.from_dlpack`
-            of a 64-byte aligned numpy array). Its memory is overwritten.
+            destination memory: `tf.experimental.dlpack.from_dlpack` of a
+            64-byte aligned numpy array itself, not a TensorFlow op's
+            result from it (a slice is a copy, which the op would write
+            instead; a reshape of a variable shares the variable's memory,
+            which it would write past the variable's lock). Its memory is
+            overwritten.
         scale: multiplies the update. Defaults to 1.0.
 
     Example:

@@ -889,3 +889,63 @@ def test_the_build_key_follows_the_build_and_its_compiler(monkeypatch):
 
     monkeypatch.setattr(pathlib.Path, "read_bytes", edited)
     assert _build.build_key(False) != key
+
+
+_UNALIGNED_VARIABLE = """
+import gc, numpy as np, tensorflow as tf
+from keras_geeps import ops
+base = np.zeros(64 + 16, np.float32)
+off = (-base.ctypes.data // 4) % 16 + 1  # 4 bytes past a 64-byte boundary
+caller = base[off:off + 12]
+caller[:] = np.arange(12)
+v = tf.Variable(tf.zeros([4, 3]))
+t = tf.reshape(tf.experimental.dlpack.from_dlpack(caller.__dlpack__()),
+               [4, 3])
+v.assign(t)  # the variable keeps the caller's memory
+del t
+gc.collect()
+layout = ops.PackLayout([v])
+expected = np.arange(12, dtype=np.float32)
+np.testing.assert_array_equal(ops.pack([v], layout).numpy(), expected)
+out = np.zeros(12, np.float32)
+ops.pack_delta_into([v], layout, tf.ones([12]),
+                    tf.experimental.dlpack.from_dlpack(out.__dlpack__()))
+np.testing.assert_array_equal(out, expected - 1)
+ops.unpack(tf.ones([12]), [v], layout, mode="add")
+expected += 1
+np.testing.assert_array_equal(v.numpy().ravel(), expected)
+ops.scatter_add_rows(v, [1, 1], tf.ones([2, 3]))
+expected[3:6] += 2
+np.testing.assert_array_equal(v.numpy().ravel(), expected)
+print("exact")
+"""
+
+
+def test_ops_on_a_variable_holding_unaligned_caller_memory():
+    """A variable assigned a tensor from DLPack keeps that memory, aligned
+    only as its allocator chose: Pack, PackDeltaInto, Unpack and
+    ScatterAddRows read and write it through plain pointers (Tensor::flat
+    aborted the process on Eigen's 64-byte alignment check)."""
+    proc = _python(_UNALIGNED_VARIABLE, {})
+    assert proc.returncode == 0 and "exact" in proc.stdout, \
+        (proc.returncode, proc.stderr[-3000:])
+
+
+def test_a_tensor_of_handles_is_refused_where_one_variable_is_meant():
+    """Shape functions do not run eagerly: the kernels check that a
+    variable input is one handle, not take the first of several."""
+    v = tf.Variable(tf.ones([4, 3]))
+    handles = tf.stack([v.handle, v.handle])
+    for call in (
+            lambda: ops._gen.geeps_resource_gather_rows(
+                handles, [0], dtype=tf.float32),
+            lambda: ops._gen.geeps_resource_scatter_add_rows(
+                handles, [0], tf.ones([1, 3])),
+            lambda: ops._gen.geeps_pack([handles], dtype=tf.float32,
+                                        sizes=[12])):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"must be one variable's handle \(a "
+                                 r"scalar\), got a tensor of handles of "
+                                 r"shape \[2\]"):
+            call()
+    np.testing.assert_array_equal(v.numpy(), 1.0)

@@ -42,6 +42,21 @@ const T* Elements(const Tensor& tensor) {
   return reinterpret_cast<const T*>(tensor.tensor_data().data());
 }
 
+// A variable's elements to write, as Elements: a variable assigned a tensor
+// from DLPack may keep that memory.
+template <typename T>
+T* MutableElements(Tensor* tensor) {
+  return const_cast<T*>(Elements<T>(*tensor));
+}
+
+// A variable's tensor of shape [rows, width] as a matrix view to write (as
+// MutableElements; the kernels use its data() and dimensions only).
+template <typename T>
+typename TTypes<T>::Matrix MutableMatrixElements(Tensor* tensor) {
+  return typename TTypes<T>::Matrix(MutableElements<T>(tensor),
+                                    tensor->dim_size(0), tensor->dim_size(1));
+}
+
 // An input tensor of shape [rows, width] as a matrix view (as Elements).
 template <typename T>
 typename TTypes<T>::ConstMatrix MatrixElements(const Tensor& tensor) {
@@ -329,14 +344,28 @@ absl::Status PrepareToUpdate(OpKernelContext* ctx, Var* var, bool keep_contents,
   return absl::OkStatus();
 }
 
+// Looks up the variable behind resource input `index`, a scalar handle (the
+// shape functions say so, but do not run in eager mode: a [2] handle
+// tensor would silently be taken for its first handle).
+inline absl::Status LookupVariable(OpKernelContext* ctx, int index,
+                                   core::RefCountPtr<Var>* var) {
+  const TensorShape& shape = ctx->input(index).shape();
+  if (!TensorShapeUtils::IsScalar(shape)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input ", index, " must be one variable's handle (a "
+                     "scalar), got a tensor of handles of shape ",
+                     shape.DebugString()));
+  }
+  return LookupResource(ctx, HandleFromInput(ctx, index), var);
+}
+
 // Looks up the variables behind resource inputs [first, first + n).
 inline absl::Status LookupVariables(OpKernelContext* ctx, int first, int n,
                                     std::vector<core::RefCountPtr<Var>>* vars) {
   vars->clear();
   vars->resize(n);
   for (int i = 0; i < n; ++i) {
-    TF_RETURN_IF_ERROR(
-        LookupResource(ctx, HandleFromInput(ctx, first + i), &(*vars)[i]));
+    TF_RETURN_IF_ERROR(LookupVariable(ctx, first + i, &(*vars)[i]));
   }
   return absl::OkStatus();
 }

@@ -228,7 +228,7 @@ class ResourceGatherRowsOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     core::RefCountPtr<Var> var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
+    OP_REQUIRES_OK(ctx, LookupVariable(ctx, 0, &var));
     tf_shared_lock lock(*var->mu());
     OP_REQUIRES_OK(ctx, CheckVariable(var.get(), DataTypeToEnum<T>::value,
                                       "the variable"));
@@ -266,7 +266,7 @@ class ResourceScatterAddRowsOp : public OpKernel {
             "updates has ", updates.dim_size(0), " rows but indices has ",
             indices.dim_size(0), " entries")));
     core::RefCountPtr<Var> var;
-    OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 0), &var));
+    OP_REQUIRES_OK(ctx, LookupVariable(ctx, 0, &var));
     mutex_lock lock(*var->mu());
     OP_REQUIRES_OK(ctx, CheckVariable(var.get(), DataTypeToEnum<T>::value,
                                       "the variable"));
@@ -284,7 +284,7 @@ class ResourceScatterAddRowsOp : public OpKernel {
                                                 /*keep_contents=*/true,
                                                 /*sparse=*/true));
     OP_REQUIRES_OK(ctx, functor::ScatterAddRows<Device, T, Index>()(
-                            ctx, var->tensor()->matrix<T>(),
+                            ctx, MutableMatrixElements<T>(var->tensor()),
                             IndexElements<Index>(indices),
                             MatrixElements<T>(updates), check_indices_));
   }

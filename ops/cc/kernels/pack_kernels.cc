@@ -301,7 +301,7 @@ class PackOp : public OpKernel {
     OP_REQUIRES_OK(ctx, LookupVariables(ctx, 0, n, &vars));
     VariableListLock lock(vars, /*exclusive=*/false);
     OP_REQUIRES_OK(ctx, CheckLayoutVariables<T>(vars, offsets_));
-    for (int i = 0; i < n; ++i) srcs[i] = vars[i]->tensor()->flat<T>().data();
+    for (int i = 0; i < n; ++i) srcs[i] = Elements<T>(*vars[i]->tensor());
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &out));
     OP_REQUIRES_OK(ctx,
@@ -350,7 +350,7 @@ class UnpackOp : public OpKernel {
       OP_REQUIRES_OK(ctx, PrepareToUpdate<Device>(ctx, var,
                                                   /*keep_contents=*/add_,
                                                   /*sparse=*/false));
-      dsts[i] = var->tensor()->flat<T>().data();
+      dsts[i] = MutableElements<T>(var->tensor());
     }
     OP_REQUIRES_OK(
         ctx, functor::UnpackSegments<Device, T>()(ctx, Elements<T>(buffer),
@@ -396,7 +396,7 @@ class PackDeltaIntoOp : public OpKernel {
     VariableListLock lock(vars, /*exclusive=*/false);
     OP_REQUIRES_OK(ctx, CheckLayoutVariables<T>(vars, offsets_));
     std::vector<const T*> srcs(n);
-    for (int i = 0; i < n; ++i) srcs[i] = vars[i]->tensor()->flat<T>().data();
+    for (int i = 0; i < n; ++i) srcs[i] = Elements<T>(*vars[i]->tensor());
     functor::ScaleSegments(ctx, srcs, offsets_, Elements<T>(snap),
                            CallerMemory<T>(out), std::vector<float>(n, scale_));
   }
