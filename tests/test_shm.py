@@ -630,5 +630,8 @@ def test_out_of_descriptors_falls_back_to_tcp(tmp_path):
                             cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 0, result.stderr[-3000:]
     tcp_bytes = int(result.stdout.split("tcp bytes")[1])
-    assert tcp_bytes > 5 * 512 * 128 * 4  # the big table's rows came by TCP
+    # The big table's rows came by TCP: at least its last clock's (a push
+    # waits while none of the last one to the worker has left, and the
+    # worker is pushed the freshest rows then).
+    assert tcp_bytes > 512 * 128 * 4
     assert "through TCP" in result.stderr  # and it was said

@@ -58,7 +58,7 @@ MAX_UNSENT_STATS_ALL = 64
 MAX_UNSENT_ERRORS = 64
 MAX_UNSENT_ERRORS_ALL = 4096
 # How often the loop looks whether owed pushes may go (`_pay_owed_pushes`).
-OWED_PUSH_POLL_S = 0.005
+OWED_PUSH_POLL_S = 0.001
 # Lines of refused or dropped requests logged per 10 s (the rest counted).
 REFUSAL_LOG_LINES = 20
 
@@ -158,7 +158,8 @@ class ShardServer:
         # that table's rows to it (`_push_waits`)
         self._unsent_pushes = {}
         # table id -> {worker} owed the table's rows: its last push of
-        # them had not left when the table advanced (`_push_to_subscribers`)
+        # them had not left when the table advanced (`_push_to_subscribers`;
+        # looked at every OWED_PUSH_POLL_S while some are)
         self._owed_pushes = {}
         self._unsent_stats = []   # [(identity, tracker)] of STATS replies
         self._unsent_errors = UnsentReplies(MAX_UNSENT_ERRORS,

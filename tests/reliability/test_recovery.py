@@ -55,7 +55,8 @@ def test_checkpoint_write_is_atomic_and_round_trips(tmp_path, monkeypatch):
     # Rows of another dtype than the spec's are refused, not converted.
     checkpoint.write(tmp_path, 0, 2, 3, {7: (spec, 10, rows.astype(float))})
     with pytest.raises(checkpoint.CheckpointError,
-                       match="holds float64 rows, spec says float32"):
+                       match=r"table_7 holds float64 \(4, 3\), not "
+                             r"float32 \(4, 3\)"):
         checkpoint.load(tmp_path, 0, 2, 3)
     bf16 = dict(spec, dtype="bfloat16")
     rows16 = rows.astype(protocol.numpy_dtype("bfloat16"))

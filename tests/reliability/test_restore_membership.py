@@ -284,7 +284,8 @@ def test_a_read_timing_out_in_a_recovery_says_so(tmp_path):
         _restart(cluster)  # at 4: worker 0 replays 4, 5 once 1 replays 4
         _step(pairs[:1])
         with pytest.raises(GeePSTimeoutError,
-                           match="recovery of it is not done"):
+                           match=r"recovery of shard 0 \(.*\), restarted "
+                                 r"or reconnected, is not done"):
             fast.read(pairs[0][1], clock=7)
     finally:
         cluster.stop()
