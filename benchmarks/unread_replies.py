@@ -15,6 +15,12 @@ one), against a shard holding 100 tables of 1000-character names, whose
 every reply copies their figures (~115 KB): the baseline is N such
 replies; past `MAX_UNSENT_STATS` unsent ones its STATS are refused.
 
+With `--clocks N` the peer, a subscriber of the table, finishes N clocks
+of it with worker 0, who adds ones to it at each clock and reads what it
+is sent: each clock's rows are pushed to both. The baseline is a copy of
+the table per clock (N x 64 KB), what queued for the peer before a push
+waited while none of the last one to it had left (`pushes_deferred`).
+
 With `--garbage N` a peer that said no HELLO sends N one-byte messages
 (never valid msgpack), each refused with an ERROR: the baseline is N such
 replies (their bytes as one that is read); past `MAX_UNSENT_ERRORS`
@@ -25,10 +31,13 @@ Example:
     .venv/bin/python benchmarks/unread_replies.py --reads 3000
     .venv/bin/python benchmarks/unread_replies.py --stats 1500
     .venv/bin/python benchmarks/unread_replies.py --garbage 400000
+    .venv/bin/python benchmarks/unread_replies.py --clocks 20000
 
 The last line is JSON: `reads`, `answered`, `refused`, `rss_growth_bytes`,
 `copies_bytes` (reads x table bytes) and `growth_vs_copies`; with
-`--stats` or `--garbage`, `requests` (messages sent) in place of `reads`.
+`--stats` or `--garbage`, `requests` (messages sent) in place of `reads`;
+with `--clocks`, `clocks` and `pushes_deferred` in place of `reads`,
+`answered` and `refused`.
 """
 
 import argparse
@@ -87,6 +96,8 @@ def main():
                         help="send this many STATS instead of READs")
     parser.add_argument("--garbage", type=int, default=0,
                         help="send this many one-byte messages instead")
+    parser.add_argument("--clocks", type=int, default=0,
+                        help="finish this many clocks of the table instead")
     args = parser.parse_args()
     cluster = LocalCluster(1, 2, processes=True, shard_args=[
         "--max-table-bytes", str(1 << 20)])
@@ -117,6 +128,9 @@ def main():
             reader = _Peer(context, address, 1)
             reader.socket.send(b"\xc1")
             reply_bytes = sum(map(len, reader.socket.recv_multipart()))
+        if args.clocks:
+            _clocks(creator, deaf, pid, args.clocks)
+            return
         sent = args.garbage or args.stats or args.reads
         time.sleep(0.5)
         before = _rss_bytes(pid)
@@ -156,6 +170,37 @@ def main():
     finally:
         context.destroy(linger=0)
         cluster.stop()
+
+
+def _clocks(creator, deaf, pid, clocks):
+    """`--clocks`: worker 0 adds ones and reads; the deaf peer clocks."""
+    ones = np.ones((ROWS, 1), np.float32)
+    time.sleep(0.5)
+    before = _rss_bytes(pid)
+    for clk in range(clocks):
+        creator.send(MsgType.UPDATE, table=0, clk=clk, arrays=[ones])
+        assert creator.ask(MsgType.CLOCK, table=0,
+                           clk=clk).type == MsgType.ACK
+        deaf.send(MsgType.CLOCK, table=0, clk=clk)
+    deadline = time.monotonic() + 120
+    while True:
+        stats = protocol.stats_of(creator.ask(MsgType.STATS))
+        if stats["tables"]["0"]["global_clock"] >= clocks or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    time.sleep(0.5)
+    grown = _rss_bytes(pid) - before
+    copies = clocks * ROWS * 4
+    deferred = stats.get("pushes_deferred", 0)  # (none before it was)
+    print(f"{clocks} clocks, the subscriber reading none: "
+          f"{deferred} pushes to it deferred; shard grew "
+          f"{grown / 1e6:.1f} MB (a copy of the table per clock: "
+          f"{copies / 1e6:.0f} MB)")
+    print(json.dumps({
+        "clocks": clocks, "pushes_deferred": deferred,
+        "rss_growth_bytes": grown, "copies_bytes": copies,
+        "growth_vs_copies": round(grown / copies, 4)}))
 
 
 if __name__ == "__main__":
