@@ -57,8 +57,16 @@ MAX_UNSENT_STATS_ALL = 64
 # per peer and in all: past that its refused requests go unanswered.
 MAX_UNSENT_ERRORS = 64
 MAX_UNSENT_ERRORS_ALL = 4096
-# How often the loop looks whether owed pushes may go (`_pay_owed_pushes`).
+# Pushes of a table queued for a worker (none of the oldest sent) past
+# which the next waits, owed (`_push_to_subscribers`): two, so that a
+# worker reading as fast as the table advances never waits for a look.
+PUSHES_QUEUED = 2
+# How often the loop looks whether owed pushes may go (`_pay_owed_pushes`):
+# every 1 ms, and every 10 ms once none was owed or paid for 50 ms (a
+# worker that reads nothing: the loop does not spin for it).
 OWED_PUSH_POLL_S = 0.001
+OWED_PUSH_IDLE_S = 0.01
+OWED_PUSH_STALLED_S = 0.05
 # Lines of refused or dropped requests logged per 10 s (the rest counted).
 REFUSAL_LOG_LINES = 20
 
@@ -154,13 +162,15 @@ class ShardServer:
         self._parked = []         # (identity, Message) reads waiting
         self._trackers = {}       # id(rows buffer) -> sends still using it
         self._unsent_reads = {}   # worker -> [[tracker]] of READ replies
-        # worker -> {table id: (identity, [tracker])} of the last push of
-        # that table's rows to it (`_push_waits`)
+        # worker -> {table id: (identity, deque of the [tracker]s of the
+        # last PUSHES_QUEUED pushes of that table's rows to it)}
+        # (`_push_waits`)
         self._unsent_pushes = {}
         # table id -> {worker} owed the table's rows: its last push of
         # them had not left when the table advanced (`_push_to_subscribers`;
         # looked at every OWED_PUSH_POLL_S while some are)
         self._owed_pushes = {}
+        self._owed_moved = 0.0  # when a push was last owed or paid
         self._unsent_stats = []   # [(identity, tracker)] of STATS replies
         self._unsent_errors = UnsentReplies(MAX_UNSENT_ERRORS,
                                             MAX_UNSENT_ERRORS_ALL)
@@ -268,8 +278,11 @@ class ShardServer:
                     waiting = self._pump_sealed()
                     if self._owed_pushes and self._pay_owed_pushes():
                         # (their pushes leave with no message to wake it)
-                        waiting = OWED_PUSH_POLL_S if waiting is None \
-                            else min(waiting, OWED_PUSH_POLL_S)
+                        pace = OWED_PUSH_IDLE_S if time.monotonic() - \
+                            self._owed_moved > OWED_PUSH_STALLED_S \
+                            else OWED_PUSH_POLL_S
+                        waiting = pace if waiting is None \
+                            else min(waiting, pace)
                 except Exception:  # a bug must not take the shard down
                     self._internal_error("sealing replies")
                     waiting = False
@@ -873,6 +886,10 @@ class ShardServer:
         what was sent to an earlier one counts against no READ of it."""
         self._unsent_reads.pop(worker, None)
         self._unsent_pushes.pop(worker, None)
+        for table_id, owed in list(self._owed_pushes.items()):
+            owed.discard(worker)  # (a new process declares its tables)
+            if not owed:
+                del self._owed_pushes[table_id]
         for table in self._tables.values():
             if table.lent is not None and table.lent[1] == worker:
                 # Never reused: a hung old process may still write into it.
@@ -1182,29 +1199,45 @@ class ShardServer:
         self._push_rows(worker, identity, table, table.data)
 
     def _push_waits(self, worker, identity, table):
-        """Whether none of the last push of `table`'s rows to `worker` at
-        `identity` has left yet (what comes next to it is those rows)."""
+        """Whether PUSHES_QUEUED pushes of `table`'s rows to `worker` at
+        `identity` wait to go, none of the oldest sent yet (chunks leave
+        in order: its first chunk's tracker tells)."""
         last = self._unsent_pushes.get(worker, {}).get(table.id)
-        return last is not None and last[0] == identity and \
-            bool(last[1]) and not any(t.done for t in last[1])
+        if last is None or last[0] != identity or \
+                len(last[1]) < PUSHES_QUEUED:
+            return False
+        oldest = last[1][0]
+        return bool(oldest) and not oldest[0].done
+
+    def _sent_push(self, worker, identity, table, sends):
+        """Notes a push of `table`'s rows to `worker` at `identity` (its
+        trackers `sends`: none for a shared-memory reference)."""
+        tables = self._unsent_pushes.setdefault(worker, {})
+        last = tables.get(table.id)
+        if last is None or last[0] != identity:
+            last = tables[table.id] = (
+                identity, collections.deque(maxlen=PUSHES_QUEUED))
+        last[1].append(sends)
 
     def _push_rows(self, worker, identity, table, data):
         """Pushes `data`, `table`'s rows, to `worker` at `identity`,
         zero-copy (tracked, and queued as the table's own buffers, which
         max_table_bytes counts, not as copies: `_send_to`)."""
-        self._unsent_pushes.setdefault(worker, {})[table.id] = (
-            identity, self._send_rows(table, [identity], MsgType.PUSH, 0,
-                                      data, zero_copy=True))
+        self._sent_push(worker, identity, table, self._send_rows(
+            table, [identity], MsgType.PUSH, 0, data, zero_copy=True))
 
     def _push_to_subscribers(self, table, data):
-        """Pushes the rows of `table`'s new clock to every subscriber, but
-        to none still sent none of the last push of them: that one is owed
-        the table's rows (`_owed_pushes`), pushed at their clock of the
-        moment once its earlier push started to leave (`_pay_owed_pushes`),
-        as a worker takes the freshest rows anyway. So a worker that clocks
-        and reads nothing has at most two pushes of a table queued, not
-        one per clock (20,000 CLOCKs of a 60 KB table took 1.1 GB)."""
+        """Pushes the rows of `table`'s new clock to every subscriber
+        (`_push_rows`, all in one `_send_rows`), but to none for which
+        PUSHES_QUEUED pushes of them wait, none of the oldest sent: that
+        one is owed the table's rows (`_owed_pushes`), pushed at their
+        clock of the moment once its oldest push started to leave
+        (`_pay_owed_pushes`), as a worker takes the freshest rows anyway.
+        So a worker that clocks and reads nothing has at most three
+        pushes of a table queued, not one per clock (20,000 CLOCKs of a
+        60 KB table took 1.1 GB)."""
         owed = self._owed_pushes.get(table.id, set())
+        going = {}
         for worker in sorted(table.subscribers):
             identity = self._identities.get(worker)
             if identity is None:
@@ -1212,9 +1245,17 @@ class ShardServer:
             if self._push_waits(worker, identity, table):
                 owed.add(worker)
                 self.stats["pushes_deferred"] += 1
+                self._owed_moved = time.monotonic()
             else:
                 owed.discard(worker)
-                self._push_rows(worker, identity, table, data)
+                going[identity] = worker
+        if going:
+            sends = {}
+            self._send_rows(table, list(going), MsgType.PUSH, 0, data,
+                            zero_copy=True, by_identity=sends)
+            for identity, worker in going.items():
+                self._sent_push(worker, identity, table,
+                                sends.get(identity, []))
         if owed:
             self._owed_pushes[table.id] = owed
         else:
@@ -1232,6 +1273,7 @@ class ShardServer:
                     owed.discard(worker)
                 elif not self._push_waits(worker, identity, table):
                     owed.discard(worker)
+                    self._owed_moved = time.monotonic()
                     self._push_rows(worker, identity, table, table.data)
             if not owed:
                 del self._owed_pushes[table_id]
@@ -1594,10 +1636,11 @@ class ShardServer:
                                    self.settings.chunk_bytes)
 
     def _send_rows(self, table, identities, kind, seq, data,
-                   zero_copy=False):
+                   zero_copy=False, by_identity=None):
         """Sends `data` (never changed later) in row chunks, zero-copy
         (small ones copied, but for a ROWS reply or with `zero_copy`:
-        `_send_to`).
+        `_send_to`). Returns the sends' trackers; with `by_identity` (a
+        dict), also puts each identity's there, in chunk order.
 
         Co-located workers get one reference to the buffer instead, and
         hold it until they RELEASE it.
@@ -1619,8 +1662,12 @@ class ShardServer:
         if not identities:
             return trackers
         for start, end in self._chunks(table):
-            trackers += self._send_chunk(table, identities, kind, seq, data,
-                                         start, end, zero_copy)
+            for identity, tracker in self._send_chunk(
+                    table, identities, kind, seq, data, start, end,
+                    zero_copy):
+                trackers.append(tracker)
+                if by_identity is not None:
+                    by_identity.setdefault(identity, []).append(tracker)
         sending = [t for t in self._trackers.get(id(data), ()) if not t.done]
         self._trackers[id(data)] = sending + trackers
         return trackers
@@ -1648,13 +1695,13 @@ class ShardServer:
                 "ckpt": table.ckpt_clock}
         message = Message(kind, table=table.id, clk=table.global_clock,
                           seq=seq, arrays=[data[start:end]], meta=meta)
-        trackers = []
+        sent = []  # (identity, tracker)
         for identity in identities:
             tracker = self._send(identity, message, track=True,
                                  zero_copy=zero_copy)
             if tracker is not None:
-                trackers.append(tracker)
-        return trackers
+                sent.append((identity, tracker))
+        return sent
 
     # ------------------------------------------- checkpoints, liveness
     def _maybe_snapshot(self, table, clock, data):
