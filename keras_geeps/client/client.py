@@ -354,7 +354,6 @@ class GeePSClient:
         """Notes which process `shard` is, and uses shared memory with it if
         both sides can map the other's."""
         self._shard_incarnations[shard] = welcome.meta.get("incarnation")
-        self._watched_by(shard, welcome)
         self._shm_peers.pop(shard, None)
         self._shm_upload.discard(shard)
         meta = welcome.meta
@@ -926,10 +925,11 @@ class GeePSClient:
     def _watched_by(self, shard, welcome):
         """Notes that `shard`, whose WELCOME this is, declares silent
         workers dead (if it does), and heartbeats well within its limit.
-        Called by the I/O thread as each WELCOME comes, not once every
-        shard answered: meanwhile (a shard still loading its checkpoint, or
-        not answering at all) this worker must not fall silent there, and
-        a client that fails to connect must say LEAVE there (close())."""
+        Called by the I/O thread as each WELCOME comes (that of a
+        recovery too), not once every shard answered: meanwhile (a shard
+        still loading its checkpoint, or not answering at all) this worker
+        must not fall silent there, and a client that fails to connect
+        must say LEAVE there (close())."""
         watch = welcome.meta.get("worker_timeout", 0.0)
         if watch > 0:
             self._watching.add(shard)

@@ -166,9 +166,9 @@ class ShardServer:
         # last PUSHES_QUEUED pushes of that table's rows to it)}
         # (`_push_waits`)
         self._unsent_pushes = {}
-        # table id -> {worker} owed the table's rows: its last push of
-        # them had not left when the table advanced (`_push_to_subscribers`;
-        # looked at every OWED_PUSH_POLL_S while some are)
+        # table id -> {worker} owed the table's rows: PUSHES_QUEUED pushes
+        # of them waited to go to it, none of the oldest sent, when the
+        # table advanced (`_push_to_subscribers`, `_pay_owed_pushes`)
         self._owed_pushes = {}
         self._owed_moved = 0.0  # when a push was last owed or paid
         self._unsent_stats = []   # [(identity, tracker)] of STATS replies
@@ -1181,13 +1181,14 @@ class ShardServer:
     def _answering_push(self, table, worker):
         """Pushes `table`'s rows to `worker` answering its DECLARE or
         CREATE, zero-copy (as a READ's rows: `_send_to`), but not while
-        none of the rows answering its last one of the table has gone to
-        the same connection yet: they all come next, and any later
-        clock's rows follow as they do to every subscriber. (Once some
-        went, the worker may have dropped them, a table whose creation
-        failed and is tried again: its rows go again.) A peer that
-        repeats such requests and reads nothing had the shard queue a copy
-        of the rows each time (3000 DECLAREs of a 64 KB table: +181 MB).
+        PUSHES_QUEUED pushes of them wait to go to the same connection,
+        none of the oldest sent yet (`_push_waits`): they all come next,
+        and any later clock's rows follow as to every subscriber. (Once
+        some went, the worker may have dropped them, a table whose
+        creation failed and is tried again: its rows go again.) A peer
+        that repeats such requests and reads nothing had the shard queue a
+        copy of the rows each time (3000 DECLAREs of a 64 KB table:
+        +181 MB).
         (Not refused: a worker declares a table again in a recovery, right
         behind a request of its own it held back.)"""
         identity = self._identities.get(worker)
@@ -1227,8 +1228,8 @@ class ShardServer:
             table, [identity], MsgType.PUSH, 0, data, zero_copy=True))
 
     def _push_to_subscribers(self, table, data):
-        """Pushes the rows of `table`'s new clock to every subscriber
-        (`_push_rows`, all in one `_send_rows`), but to none for which
+        """Pushes the rows of `table`'s new clock to every subscriber (as
+        `_push_rows` does, all in one `_send_rows`), but to none for which
         PUSHES_QUEUED pushes of them wait, none of the oldest sent: that
         one is owed the table's rows (`_owed_pushes`), pushed at their
         clock of the moment once its oldest push started to leave
