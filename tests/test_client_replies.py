@@ -2,6 +2,7 @@
 scripted: tests/scripted_shard.py) fails with an error naming what is
 wrong, within its timeout, its I/O thread alive."""
 
+import contextlib
 import time
 
 import numpy as np
@@ -18,6 +19,21 @@ from tests.scripted_shard import Restarting, ScriptedShard, a_table, \
     welcome
 
 SESSION, KEY = "53" + "ab" * 7, "cd" * 32
+
+
+@contextlib.contextmanager
+def _worker_of(script, timeout, **options):
+    """Worker 1 of 2's client of a `ScriptedShard` running `script`."""
+    shard = ScriptedShard(script)
+    try:
+        client = GeePSClient(ClusterSpec([shard.address], 2, 1),
+                             timeout=timeout, shared_memory=False, **options)
+        try:
+            yield client
+        finally:
+            client.close()
+    finally:
+        shard.stop()
 
 
 @pytest.mark.parametrize("sealed", [
@@ -58,29 +74,20 @@ def test_a_recovery_declare_answered_without_its_clock_loses_the_shard():
     shard is lost naming that, and the I/O thread lives on."""
     script = Restarting(lambda declare: [Message(
         MsgType.ACK, table=declare.table, seq=declare.seq, meta={})])
-    shard = ScriptedShard(script)
-    client = GeePSClient(ClusterSpec([shard.address], 2, 1), timeout=5,
-                         heartbeat_interval=0.1, shared_memory=False)
-    try:
+    with _worker_of(script, 5, heartbeat_interval=0.1) as client:
         table = client.create_table("t", 2, 2)
         script.restart()
         with pytest.raises(GeePSError, match="answered the DECLARE of table "
                            "'t' without the table's clock"):
             client.read(table, clock=1)
         assert client._io.failed is None
-    finally:
-        client.close()
-        shard.stop()
 
 
 def test_a_malformed_stats_reply_is_named_in_a_read_timeout():
     script = a_table()
-    shard = ScriptedShard(lambda m: [protocol.stats_reply(m.seq, {
-        "tables": {"0": {"ready": True}}})]
-        if m.type == MsgType.STATS else script(m))
-    client = GeePSClient(ClusterSpec([shard.address], 2, 1), timeout=1,
-                         shared_memory=False)
-    try:
+    with _worker_of(lambda m: [protocol.stats_reply(m.seq, {
+            "tables": {"0": {"ready": True}}})]
+            if m.type == MsgType.STATS else script(m), 1) as client:
         table = client.create_table("t", 2, 2)
         with pytest.raises(GeePSTimeoutError, match="sent a malformed STATS "
                            "reply: STATS_REPLY: its tables are not"):
@@ -88,9 +95,6 @@ def test_a_malformed_stats_reply_is_named_in_a_read_timeout():
         with pytest.raises(GeePSServerError, match="shard 0 .* sent a "
                            "malformed STATS reply: .*its tables are not"):
             client.shard_stats()
-    finally:
-        client.close()
-        shard.stop()
 
 
 def test_requests_held_behind_a_recovery_time_out_saying_so():
@@ -98,10 +102,7 @@ def test_requests_held_behind_a_recovery_time_out_saying_so():
     answers its DECLARE: what waits behind the recovery times out naming
     it, not asking whether the shard runs."""
     script = Restarting(lambda declare: None)
-    shard = ScriptedShard(script)
-    client = GeePSClient(ClusterSpec([shard.address], 2, 1), timeout=1,
-                         heartbeat_interval=0.1, shared_memory=False)
-    try:
+    with _worker_of(script, 1, heartbeat_interval=0.1) as client:
         table = client.create_table("t", 2, 2)
         script.restart()
         deadline = time.monotonic() + 5
@@ -117,6 +118,3 @@ def test_requests_held_behind_a_recovery_time_out_saying_so():
                            "of shard 0 .* is not done"):
             client.read(table, clock=1)
         np.testing.assert_array_equal(client.read(table), 0)
-    finally:
-        client.close()
-        shard.stop()
